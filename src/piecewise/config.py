@@ -1,0 +1,125 @@
+"""Capture configuration: which token counts get a CUDA graph, where the graph is cut, how pieces compile."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SIZE_SCHEDULES = ("vllm", "sglang")
+COMPILERS = ("eager", "inductor")
+
+
+def vllm_sizes(max_tokens: int) -> list[int]:
+    """vLLM's ladder: [1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)."""
+    ladder = [1, 2, 4, *range(8, 256, 8), *range(256, max_tokens + 1, 16)]
+    return [s for s in ladder if s <= max_tokens]
+
+
+def sglang_sizes(max_tokens: int) -> list[int]:
+    """SGLang's piecewise token ladder (58 sizes up to 8192)."""
+    ladder = [
+        *range(4, 33, 4),
+        *range(48, 257, 16),
+        *range(288, 513, 32),
+        *range(576, 1025, 64),
+        *range(1280, 4097, 256),
+        *range(4608, max(max_tokens, 4608) + 1, 512),
+    ]
+    return [s for s in ladder if s <= max_tokens]
+
+
+@dataclass
+class CaptureConfig:
+    """How `piecewise.compile` traces, splits, compiles and captures a model.
+
+    Every field is validated on construction; a bad value raises ``ValueError`` naming the field.
+    """
+
+    capture_sizes: list[int] | None = None
+    """Token counts that get a CUDA graph. None: the ``size_schedule`` ladder up to ``max_tokens``
+    (``max_tokens`` itself is added when the ladder does not end on it)."""
+
+    max_tokens: int = 512
+    """Largest token count served by graphs; larger calls run the compiled pieces without graphs."""
+
+    size_schedule: str = "vllm"
+    """Default ladder when ``capture_sizes`` is None: ``"vllm"`` (51 sizes at 512) or ``"sglang"`` (58 at 8192)."""
+
+    splitting_ops: tuple[str, ...] | None = None
+    """Ops (``"ns::name"``) at which the graph is cut and that run eagerly between pieces.
+    None: every op registered with ``piecewise.opaque_op(..., split=True)``."""
+
+    compiler: str = "eager"
+    """How each piece is compiled: ``"eager"`` (the FX graph as is) or ``"inductor"`` (once, for the symbolic
+    token dimension)."""
+
+    strict: bool = False
+    """False: code Dynamo cannot trace becomes one more split point that runs eagerly, with one warning.
+    True: raise ``piecewise.CaptureBlockedError`` naming the blocker, its call chain and the fix."""
+
+    cuda_graphs: bool = True
+    """Capture CUDA graphs when the model runs on CUDA. False: pieces always run without graphs."""
+
+    clone_outputs: bool = True
+    """Return outputs that the next call cannot overwrite (one copy per output). False returns views of
+    graph-owned memory, valid until the next call, as vLLM and SGLang do."""
+
+    _sizes: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"CaptureConfig.max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.size_schedule not in SIZE_SCHEDULES:
+            raise ValueError(
+                f"CaptureConfig.size_schedule must be one of {SIZE_SCHEDULES}, got {self.size_schedule!r}"
+            )
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"CaptureConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        for name in ("strict", "cuda_graphs", "clone_outputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CaptureConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.splitting_ops is not None:
+            if isinstance(self.splitting_ops, str):
+                raise ValueError(
+                    f"CaptureConfig.splitting_ops must be a tuple of 'ns::name' strings, got the string "
+                    f"{self.splitting_ops!r}; write ({self.splitting_ops!r},)"
+                )
+            ops = tuple(self.splitting_ops)
+            bad = [op for op in ops if not isinstance(op, str) or op.count("::") != 1]
+            if bad:
+                raise ValueError(f"CaptureConfig.splitting_ops entries must look like 'ns::name', got {bad!r}")
+            self.splitting_ops = ops
+        self._sizes = self._resolve_sizes()
+
+    def _resolve_sizes(self) -> list[int]:
+        if self.capture_sizes is None:
+            ladder = vllm_sizes if self.size_schedule == "vllm" else sglang_sizes
+            sizes = ladder(self.max_tokens)
+            if not sizes or sizes[-1] != self.max_tokens:
+                sizes.append(self.max_tokens)
+            return sizes
+        sizes = list(self.capture_sizes)
+        bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+        if bad:
+            raise ValueError(f"CaptureConfig.capture_sizes must hold positive ints, got {bad!r}")
+        duplicates = sorted({s for s in sizes if sizes.count(s) > 1})
+        if duplicates:
+            raise ValueError(f"CaptureConfig.capture_sizes has duplicate sizes {duplicates!r}")
+        too_big = [s for s in sizes if s > self.max_tokens]
+        if too_big:
+            raise ValueError(
+                f"CaptureConfig.capture_sizes has sizes {too_big!r} above max_tokens={self.max_tokens}; "
+                f"raise max_tokens or drop them"
+            )
+        if not sizes:
+            raise ValueError("CaptureConfig.capture_sizes is empty; give at least one size or None for the default")
+        return sorted(sizes)
+
+    @property
+    def sizes(self) -> list[int]:
+        """The resolved capture sizes, ascending."""
+        return list(self._sizes)
+
+    def replace(self, **changes) -> "CaptureConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

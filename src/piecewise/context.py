@@ -1,0 +1,37 @@
+"""The forward context: what a splitting op may ask about the call it runs in."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Visible to splitting ops through ``piecewise.context()``."""
+
+    num_tokens: int
+    """Real token count of this call."""
+    padded_tokens: int
+    """Token count the captured pieces run at (the capture size, or ``num_tokens`` without graphs)."""
+    capturing: bool = False
+    """True while CUDA graphs are being recorded (kernels launched now are recorded, not run)."""
+
+
+_current: list[ForwardContext] = []
+
+
+def context() -> ForwardContext | None:
+    """The context of the piecewise call in progress, or None outside one (e.g. plain eager)."""
+    return _current[-1] if _current else None
+
+
+@contextlib.contextmanager
+def forward_context(num_tokens: int, padded_tokens: int, capturing: bool = False) -> Iterator[ForwardContext]:
+    ctx = ForwardContext(num_tokens, padded_tokens, capturing)
+    _current.append(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.pop()
