@@ -1,0 +1,123 @@
+"""Every private torch API piecewise touches, in one place, so a torch upgrade touches one file.
+
+Checked on torch 2.11 (CUDA) and 2.13 (CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch._dynamo
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# Dynamo's "graph break under fullgraph" exception.
+Unsupported = torch._dynamo.exc.Unsupported
+
+try:  # raised when a dimension marked dynamic gets specialised during tracing
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+except ImportError:  # pragma: no cover - very old torch
+    ConstraintViolationError = RuntimeError  # type: ignore[misc,assignment]
+
+
+@contextlib.contextmanager
+def tracing_patches() -> Iterator[None]:
+    """Config for the one trace: sizes 0/1 are not specialised, so size 1 reuses the trace made at size N."""
+    import torch.fx.experimental._config as fx_config
+
+    with contextlib.ExitStack() as stack:
+        if hasattr(fx_config, "backed_size_oblivious"):
+            stack.enter_context(fx_config.patch(backed_size_oblivious=True))
+        yield
+
+
+def mark_token_dim(tensor: torch.Tensor, dim: int) -> None:
+    torch._dynamo.mark_dynamic(tensor, dim)
+
+
+def fake_mode_of(example_inputs: list[Any]):
+    """The fake mode Dynamo traced with (from the active tracing context)."""
+    return torch._guards.detect_fake_mode(example_inputs)
+
+
+def is_plain_symbol(value: Any) -> bool:
+    """True for a SymInt that is one free symbol (a dynamic input dimension), not an expression."""
+    if not isinstance(value, torch.SymInt):
+        return False
+    expr = value.node.expr
+    return bool(getattr(expr, "is_Symbol", False))
+
+
+def fresh_method(method: types.MethodType) -> types.MethodType:
+    """A copy of a bound method with its own code object.
+
+    Dynamo caches compiled frames on the code object; a private copy keeps each compiled model's cache
+    apart (no recompile-limit fallbacks when many models of one class are compiled, no cross-talk).
+    """
+    function = getattr(method, "__func__", None)
+    if not isinstance(function, types.FunctionType):
+        return method
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__ = function.__qualname__
+    copy.__module__ = function.__module__
+    copy.__wrapped__ = function
+    return types.MethodType(copy, method.__self__)
+
+
+def non_owning_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing ``tensor``'s memory without keeping it allocated (CUDA graph outputs).
+
+    Lets the shared graph pool reuse the memory for other capture sizes, as CUDA graph trees do; the
+    alias stays valid because replay writes the same address in the same order as capture did.
+    """
+    storage = torch._C._construct_storage_from_data_pointer(
+        tensor.untyped_storage().data_ptr(), tensor.device, tensor.untyped_storage().nbytes()
+    )
+    alias = torch.empty((), dtype=tensor.dtype, device=tensor.device)
+    alias.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+    return alias
+
+
+def storage_alias(base: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``base`` as a tensor that shares its storage but is not a view.
+
+    Dynamo guards views differently from plain tensors; inputs handed to the compiled forward must look
+    the same whether they come from a static buffer (padded calls) or from the user (calls above the
+    largest capture size), or the second kind would trigger a retrace.
+    """
+    alias = torch.empty((), dtype=base.dtype, device=base.device)
+    alias.set_(base.untyped_storage(), base.storage_offset(), (rows, *base.shape[1:]), base.stride())
+    return alias
+
+
+def compile_with_inductor(graph: torch.fx.GraphModule, example_inputs: list[Any]):
+    """Inductor-compile one piece for the symbolic token dimension (called inside the Dynamo backend)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph, example_inputs)
+
+
+def graph_pool_bytes(pool: Any) -> int | None:
+    """Bytes reserved by the CUDA graph memory pool ``pool`` (None if the allocator cannot say)."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except Exception:  # pragma: no cover - allocator without snapshots
+        return None
+    wanted = tuple(pool) if isinstance(pool, (tuple, list)) else pool
+    total = 0
+    for segment in segments:
+        pool_id = segment.get("segment_pool_id")
+        if pool_id is not None and tuple(pool_id) == wanted:
+            total += int(segment.get("total_size", 0))
+    return total

@@ -1,0 +1,319 @@
+"""Capture and replay: each piece gets one CUDA graph per capture size; splitting ops run eagerly between.
+
+Invariants that make replay correct:
+- every tensor a captured piece reads lives at a fixed address: static buffers (model inputs, splitting-op
+  outputs, inputs produced by Python between graph breaks), parameters, static arguments, or outputs of
+  earlier pieces of the same size;
+- pieces replay in capture order, so memory the shared pool reused during capture is live at replay exactly
+  when it was live during capture; piece outputs are kept as non-owning aliases so sizes share the pool;
+- splitting ops see only the real rows, and rows past them in their output buffers are zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _compat
+from .compilers import PieceCompiler
+from .split import split_graph
+
+logger = logging.getLogger(__name__)
+
+# Phases of one call.
+DIRECT = "direct"  # no padding, no graphs (above max_tokens, or outside a piecewise call)
+PADDED = "padded"  # padded to the capture size, pieces run without graphs (CPU, warm-up, no graph yet)
+CAPTURE = "capture"  # padded; each piece records its graph for this size, then replays it once
+REPLAY = "replay"  # padded; each piece replays its graph for this size
+
+
+@dataclass
+class CaptureState:
+    """What the runners of one compiled model share during a call."""
+
+    max_tokens: int
+    graphs_enabled: bool
+    phase: str = DIRECT
+    size: int = 0
+    num_tokens: int = 0
+    pool: Any = None
+    capture_done: bool = False
+    stable_ptrs: set[int] = field(default_factory=set)
+    """Addresses that never move: parameters, buffers, static arguments, piecewise's input buffers."""
+    token_outputs: dict[int, bool] = field(default_factory=dict)
+    """ids of tensors the last graph returned that carry the token dimension (to slice back)."""
+    graph_runners: list["GraphRunner"] = field(default_factory=list)
+    captured_this_size: list["PieceRunner"] = field(default_factory=list)
+    replays: int = 0
+    splitting_op_calls: int = 0
+    on_new_graph: Callable[["GraphRunner"], None] | None = None
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for item in value for v in _flat_tensors(item)]
+    return []
+
+
+def _is_token_tensor(fake: Any) -> bool:
+    return isinstance(fake, torch.Tensor) and fake.dim() > 0 and _compat.is_plain_symbol(fake.shape[0])
+
+
+def _placeholder_values(module: torch.fx.GraphModule) -> list[Any]:
+    return [node.meta.get("example_value") for node in module.graph.nodes if node.op == "placeholder"]
+
+
+def _output_values(module: torch.fx.GraphModule) -> Any:
+    output = next(node for node in reversed(module.graph.nodes) if node.op == "output")
+    return torch.fx.node.map_arg(output.args[0], lambda node: node.meta.get("example_value"))
+
+
+class CaptureFailed(RuntimeError):
+    """An operation inside a piece is illegal during CUDA-graph capture."""
+
+    def __init__(self, message: str, node: torch.fx.Node | None):
+        super().__init__(message)
+        self.node = node
+
+
+class PieceRunner(torch.nn.Module):
+    """One compiled piece: runs it, captures it per size, replays it."""
+
+    def __init__(self, name: str, graph: torch.fx.GraphModule, compiled: Callable, state: CaptureState, owner):
+        super().__init__()
+        self.name = name
+        self.graph_module = graph
+        self.compiled = compiled
+        self.state = state
+        self.owner = owner
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Any] = {}
+
+    def forward(self, *args):
+        state = self.state
+        phase = state.phase
+        if phase == REPLAY:
+            graph = self.graphs.get(state.size)
+            if graph is not None:
+                graph.replay()
+                state.replays += 1
+                return self.outputs[state.size]
+        elif phase == CAPTURE and self.owner.graphs_allowed:
+            return self._capture(args)
+        return self.compiled(*args)
+
+    def _capture(self, args: tuple) -> Any:
+        size = self.state.size
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.state.pool)
+        try:
+            output = self.compiled(*args)
+        except Exception as exc:
+            try:
+                graph.capture_end()
+            except Exception:
+                pass
+            torch.cuda.synchronize()
+            raise self._explain_failure(exc, args) from exc
+        graph.capture_end()
+        graph.replay()  # give the outputs real values: the splitting op after this piece reads them
+        self.graphs[size] = graph
+        self.outputs[size] = output
+        self.state.captured_this_size.append(self)
+        return output
+
+    def release_outputs(self, size: int) -> None:
+        """Swap this size's outputs for non-owning aliases so the pool can reuse them for other sizes."""
+        self.outputs[size] = _map_tensors(self.outputs[size], _compat.non_owning_alias)
+
+    def _explain_failure(self, exc: Exception, args: tuple) -> CaptureFailed:
+        node = find_capture_illegal_node(self.graph_module, args, self.state.pool)
+        where = ""
+        if node is not None:
+            trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+            frame = next((line.strip() for line in reversed(trace) if line.strip().startswith("File ")), "")
+            where = f" at `{node.format_node()}`" + (f" ({frame})" if frame else "")
+        return CaptureFailed(
+            f"piecewise: {self.name} cannot be captured as a CUDA graph{where}: {exc}. "
+            f"Operations that synchronise the host (tensor.item(), .cpu(), .tolist(), blocking copies, "
+            f"torch.cuda.synchronize) cannot run inside a captured piece: move them out of forward, or make "
+            f"the code a splitting op with piecewise.opaque_op(..., split=True) so it runs eagerly.",
+            node,
+        )
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    return value
+
+
+def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple, pool: Any) -> torch.fx.Node | None:
+    """Run ``graph`` node by node, each node under its own trial capture; return the first that fails."""
+    env: dict[torch.fx.Node, Any] = {}
+    arg_iter = iter(args)
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(arg_iter)
+            continue
+        if node.op == "output":
+            return None
+        node_args = torch.fx.node.map_arg(node.args, lambda n: env[n])
+        node_kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
+        if node.op == "get_attr":
+            env[node] = getattr(graph, node.target)
+            continue
+        target = getattr(graph, node.target) if node.op == "call_module" else node.target
+        trial = torch.cuda.CUDAGraph()
+        try:
+            trial.capture_begin(pool=pool)
+            try:
+                if node.op == "call_method":
+                    env[node] = getattr(node_args[0], node.target)(*node_args[1:], **node_kwargs)
+                else:
+                    env[node] = target(*node_args, **node_kwargs)
+            finally:
+                trial.capture_end()
+        except Exception:
+            torch.cuda.synchronize()
+            return node
+    return None
+
+
+class SplitOpRunner(torch.nn.Module):
+    """One splitting op: runs eagerly on the real rows, writes into static buffers the next piece reads."""
+
+    def __init__(self, name: str, module: torch.fx.GraphModule, op_name: str, state: CaptureState):
+        super().__init__()
+        self.name = name
+        self.module = module
+        self.op_name = op_name
+        self.state = state
+        self.token_inputs = [_is_token_tensor(v) for v in _placeholder_values(module)]
+        outputs = _output_values(module)
+        self.single_output = not isinstance(outputs, (tuple, list))
+        flat = [outputs] if self.single_output else list(outputs)
+        self.token_outputs = [_is_token_tensor(v) for v in flat]
+        self.buffers: list[torch.Tensor | None] = [None] * len(flat)
+        self.dirty_rows = [0] * len(flat)
+        self.views: dict[int, list[Any]] = {}
+
+    def forward(self, *args):
+        state = self.state
+        state.splitting_op_calls += 1
+        if state.phase == DIRECT:
+            return self.module(*args)
+        rows = state.num_tokens
+        call_args = [a[:rows] if token else a for a, token in zip(args, self.token_inputs)]
+        result = self.module(*call_args)
+        flat = [result] if self.single_output else list(result)
+        staged = [self._stage(i, value, rows, state.size) for i, value in enumerate(flat)]
+        return staged[0] if self.single_output else tuple(staged)
+
+    def _stage(self, index: int, value: Any, rows: int, size: int) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        token = self.token_outputs[index]
+        buffer = self.buffers[index]
+        if buffer is None:
+            shape = (self.state.max_tokens, *value.shape[1:]) if token else value.shape
+            buffer = torch.zeros(shape, dtype=value.dtype, device=value.device)
+            self.buffers[index] = buffer
+            self.state.stable_ptrs.add(buffer.data_ptr())
+        elif buffer.dtype != value.dtype or buffer.shape[1 if token else 0 :] != value.shape[1 if token else 0 :]:
+            raise RuntimeError(
+                f"piecewise: splitting op {self.op_name} returned {tuple(value.shape)} {value.dtype}, but its "
+                f"buffer was made for {tuple(buffer.shape)} {buffer.dtype}; the op's output metadata must "
+                f"depend only on the token count (check its fake implementation)"
+            )
+        if not token:
+            buffer.copy_(value)
+            return buffer
+        buffer[:rows].copy_(value)
+        if self.dirty_rows[index] > rows:  # rows a larger earlier call wrote: padding must read zeros
+            buffer[rows : self.dirty_rows[index]].zero_()
+        self.dirty_rows[index] = rows
+        return buffer[:size]
+
+
+class GraphRunner:
+    """What the Dynamo backend returns for one traced graph: the split graph with runners in place."""
+
+    def __init__(
+        self,
+        graph: torch.fx.GraphModule,
+        state: CaptureState,
+        compiler: PieceCompiler,
+        splitting_ops: frozenset[str],
+    ):
+        self.state = state
+        self.graphs_allowed = state.graphs_enabled and not state.capture_done
+        started = time.perf_counter()
+        self.split_graph, partitions = split_graph(graph, splitting_ops)
+        self.pieces: list[PieceRunner] = []
+        self.splitting_ops: list[SplitOpRunner] = []
+        for partition in partitions:
+            if partition.splitting_op is not None:
+                runner = SplitOpRunner(partition.name, partition.module, partition.splitting_op, state)
+                self.splitting_ops.append(runner)
+            else:
+                compiled = compiler.compile(partition.module, _placeholder_values(partition.module))
+                runner = PieceRunner(partition.name, partition.module, compiled, state, self)
+                self.pieces.append(runner)
+            setattr(self.split_graph, partition.name, runner)
+        self.compile_seconds = time.perf_counter() - started
+        inputs = _placeholder_values(graph)
+        self.token_inputs = [_is_token_tensor(v) for v in inputs]
+        outputs = _output_values(graph)
+        self.token_outputs = [_is_token_tensor(v) for v in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
+        self.external: list[int] | None = None  # inputs that need a static copy; decided on the first call
+        self.input_buffers: dict[tuple[int, int], torch.Tensor] = {}
+        state.graph_runners.append(self)
+        if state.on_new_graph is not None:
+            state.on_new_graph(self)
+
+    def __call__(self, *args):
+        state = self.state
+        if state.phase != DIRECT:
+            if self.external is None:
+                self.external = [
+                    i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.data_ptr() not in state.stable_ptrs
+                ]
+            if self.external:
+                args = self._stage_inputs(list(args))
+        outputs = self.split_graph(*args)
+        flat = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+        for value, token in zip(flat, self.token_outputs):
+            if token and isinstance(value, torch.Tensor):
+                state.token_outputs[id(value)] = True
+        return outputs
+
+    def _stage_inputs(self, args: list) -> list:
+        """Copy inputs made by Python between graphs into fixed buffers (one per size for odd shapes)."""
+        size = self.state.size
+        for i in self.external:
+            value = args[i]
+            token = self.token_inputs[i] and value.shape[0] == size
+            key = (i, 0 if token else size)
+            buffer = self.input_buffers.get(key)
+            fits = buffer is not None and buffer.dtype == value.dtype
+            fits = fits and (buffer.shape[1:] == value.shape[1:] if token else buffer.shape == value.shape)
+            if not fits:
+                shape = (self.state.max_tokens, *value.shape[1:]) if token else value.shape
+                buffer = torch.zeros(shape, dtype=value.dtype, device=value.device)
+                self.input_buffers[key] = buffer
+            target = buffer[:size] if token else buffer
+            target.copy_(value)
+            args[i] = target
+        return args

@@ -1,0 +1,107 @@
+"""A small Llama-style decoder: RMSNorm, rotary GQA attention (a splitting op), SwiGLU MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import attention
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding on [T, H, D] at ``positions`` [T]."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * freqs[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, index: int):
+        super().__init__()
+        self.config = config
+        self.index = index
+        hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.input_norm = RMSNorm(hidden)
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.post_norm = RMSNorm(hidden)
+        self.gate_up = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        tokens = x.shape[0]
+        q, k, v = self.qkv(self.input_norm(x)).split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
+        )
+        q = rotate(q.view(tokens, c.num_heads, c.head_dim), positions, c.rope_theta)
+        k = rotate(k.view(tokens, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+        v = v.view(tokens, c.num_kv_heads, c.head_dim)
+        x = x + self.o_proj(attention(q, k, v, positions, kv_cache, self.index))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+class TinyLlama(nn.Module):
+    """Decoder-only model over one sequence: ``forward(input_ids [T], positions [T], kv_cache) -> logits [T, V]``."""
+
+    def __init__(self, config: LlamaConfig | None = None):
+        super().__init__()
+        self.config = config = config or LlamaConfig()
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_kv_cache(self, device=None, dtype=None) -> torch.Tensor:
+        c = self.config
+        weight = self.lm_head.weight
+        return torch.zeros(
+            (c.num_layers, 2, c.max_seq_len, c.num_kv_heads, c.head_dim),
+            device=device or weight.device,
+            dtype=dtype or weight.dtype,
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, kv_cache)
+        return self.lm_head(self.norm(x))
+
+
+def example(tokens: int = 7, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **config):
+    """The bundled demo: ``(model, (input_ids, positions, kv_cache))`` (usable as a CLI factory)."""
+    torch.manual_seed(seed)
+    model = TinyLlama(LlamaConfig(**config)).to(device=device, dtype=dtype).eval()
+    input_ids = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
+    positions = torch.arange(tokens, device=device)
+    return model, (input_ids, positions, model.make_kv_cache())

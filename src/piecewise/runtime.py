@@ -1,0 +1,373 @@
+"""``piecewise.compile``: the model-level runner that pads, captures and replays."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gc
+import inspect
+import logging
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from . import _compat
+from .compilers import make_compiler
+from .config import CaptureConfig
+from .context import forward_context
+from .cudagraph import CAPTURE, DIRECT, PADDED, REPLAY, CaptureState, GraphRunner
+from .opaque import splitting_op_names
+from .trace import ForwardTracer
+
+logger = logging.getLogger(__name__)
+
+
+def _progress(total: int):
+    """A rich progress bar on a terminal, nothing otherwise."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return contextlib.nullcontext(None)
+    progress = Progress(console=console, transient=True)
+    return progress
+
+
+class PiecewiseModel:
+    """A model whose forward runs as captured pieces with eager splitting ops between them.
+
+    Call it like the model. The first call warms up eagerly, traces once, and (on CUDA) captures every
+    capture size; later calls pad to the smallest captured size ≥ the token count and replay.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: CaptureConfig, dynamic: dict[str, int] | None):
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"piecewise.compile expects a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.config = config
+        self._parameters = list(inspect.signature(model.forward).parameters.values())
+        self._names = [p.name for p in self._parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not self._names:
+            raise ValueError("piecewise.compile: the model's forward takes no positional arguments to carry tokens")
+        self._dynamic = self._check_dynamic(dynamic)
+        self._compiler = make_compiler(config.compiler)
+        self.state = CaptureState(max_tokens=config.max_tokens, graphs_enabled=False)
+        self.state.on_new_graph = self._on_new_graph
+        self._tracer = ForwardTracer(model, self._backend, config.strict)
+        self._sizes = config.sizes
+        self._prepared = False
+        self._static_ptrs: dict[str, int] = {}
+        self._input_buffers: dict[tuple, torch.Tensor] = {}
+        self._aliases: dict[tuple, torch.Tensor] = {}
+        self._dirty_rows: dict[tuple, int] = {}
+        self._first_signature: dict[str, Any] | None = None
+        self._call_arguments: dict[str, Any] = {}
+        self._traced_in_call = False
+        self._last_arguments: dict[str, Any] | None = None
+        self.stats: dict[str, Any] = {
+            "pieces": 0,
+            "splitting_op_calls": 0,
+            "capture_sizes": list(self._sizes),
+            "captured_sizes": [],
+            "graphs": 0,
+            "capture_seconds": 0.0,
+            "pool_bytes": 0,
+            "cuda_graphs": False,
+            "replays": 0,
+            "fallback_calls": 0,
+            "padded_calls": 0,
+            "traces": 0,
+            "graph_breaks": 0,
+            "prewarm_seconds": 0.0,
+            "compile_seconds": 0.0,
+        }
+
+    # --- arguments ------------------------------------------------------------------------------------
+
+    def _check_dynamic(self, dynamic: dict[str, int] | None) -> dict[str, int]:
+        if dynamic is None:
+            return {self._names[0]: 0}
+        if not isinstance(dynamic, dict) or not dynamic:
+            raise ValueError(f"piecewise.compile: dynamic must map argument names to token dims, got {dynamic!r}")
+        for name, dim in dynamic.items():
+            if name not in self._names:
+                raise ValueError(
+                    f"piecewise.compile: dynamic names {name!r}, which is not a positional-or-keyword argument "
+                    f"of forward; forward takes {self._names}"
+                )
+            if not isinstance(dim, int) or isinstance(dim, bool):
+                raise ValueError(f"piecewise.compile: dynamic[{name!r}] must be an int dimension, got {dim!r}")
+        return dict(dynamic)
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if len(args) > len(self._names):
+            raise TypeError(f"forward takes {len(self._names)} positional arguments but {len(args)} were given")
+        arguments = dict(zip(self._names, args))
+        for name, value in kwargs.items():
+            if name in arguments:
+                raise TypeError(f"forward got multiple values for argument {name!r}")
+            arguments[name] = value
+        return arguments
+
+    def _token_count(self, arguments: dict[str, Any]) -> int:
+        count = None
+        for name, dim in self._dynamic.items():
+            value = arguments.get(name)
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"piecewise: token argument {name!r} must be a tensor, got {type(value).__name__}"
+                )
+            if not -value.dim() <= dim < value.dim():
+                raise ValueError(
+                    f"piecewise: token dimension {dim} of argument {name!r} is out of range for shape "
+                    f"{tuple(value.shape)}"
+                )
+            if dim not in (0, -value.dim()):
+                raise ValueError(
+                    f"piecewise: token dimension of {name!r} is {dim}; only dimension 0 is supported: "
+                    f"move the token dimension first"
+                )
+            rows = value.shape[0]
+            if count is not None and rows != count:
+                raise ValueError(
+                    f"piecewise: token arguments disagree: {name!r} has {rows} tokens, others {count}"
+                )
+            count = rows
+        if count == 0:
+            raise ValueError("piecewise: called with 0 tokens; call with at least one token")
+        return count
+
+    def _check_static(self, arguments: dict[str, Any]) -> None:
+        for name, pointer in self._static_ptrs.items():
+            value = arguments.get(name)
+            if not isinstance(value, torch.Tensor) or value.data_ptr() != pointer:
+                raise ValueError(
+                    f"piecewise: static argument {name!r} is not the tensor seen at capture (its storage moved). "
+                    f"Captured graphs read static arguments in place: write new contents into the same tensor "
+                    f"({name}.copy_(new)), mark it as a token argument with dynamic={{...}}, or compile again"
+                )
+
+    # --- the call -------------------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs) -> Any:
+        arguments = self._bind(args, kwargs)
+        tokens = self._token_count(arguments)
+        self._check_static(arguments)
+        self._last_arguments = arguments
+        with torch.no_grad():
+            if not self._prepared:
+                self._prepare(arguments)
+            if tokens > self.config.max_tokens:
+                return self._run_direct(arguments)
+            return self._run_padded(arguments, tokens)
+
+    def _run_direct(self, arguments: dict[str, Any]) -> Any:
+        state = self.state
+        state.phase = DIRECT
+        for name in self._dynamic:
+            _compat.mark_token_dim(arguments[name], 0)
+        self.stats["fallback_calls"] += 1
+        tokens = arguments[next(iter(self._dynamic))].shape[0]
+        with forward_context(tokens, tokens):
+            return self._call_compiled(arguments)
+
+    def _run_padded(self, arguments: dict[str, Any], tokens: int) -> Any:
+        state = self.state
+        size = self._sizes[bisect.bisect_left(self._sizes, tokens)]
+        staged = self._stage(arguments, tokens, size)
+        state.phase = REPLAY if state.capture_done else PADDED
+        state.size, state.num_tokens = size, tokens
+        state.token_outputs.clear()
+        self.stats["padded_calls"] += 1
+        with forward_context(tokens, size):
+            output = self._call_compiled(staged)
+        return self._finish(output, tokens, size)
+
+    def _call_compiled(self, arguments: dict[str, Any]) -> Any:
+        state = self.state
+        state.splitting_op_calls = 0
+        self._traced_in_call = False
+        replays = state.replays
+        try:
+            output = self._tracer((), arguments)
+        finally:
+            state.phase = DIRECT
+        if self._traced_in_call:
+            self.stats["traces"] += 1
+        self.stats["splitting_op_calls"] = state.splitting_op_calls
+        self.stats["replays"] += state.replays - replays
+        return output
+
+    def _stage(self, arguments: dict[str, Any], rows: int, size: int) -> dict[str, Any]:
+        """Copy token arguments into static buffers padded to ``size`` (pad rows zero)."""
+        staged = dict(arguments)
+        for name in self._dynamic:
+            value = arguments[name]
+            key = (name, value.dtype, value.device, tuple(value.shape[1:]))
+            buffer = self._input_buffers.get(key)
+            if buffer is None:
+                buffer = torch.zeros((self.config.max_tokens, *value.shape[1:]), dtype=value.dtype, device=value.device)
+                self._input_buffers[key] = buffer
+                self.state.stable_ptrs.add(buffer.data_ptr())
+            buffer[:rows].copy_(value[:rows])
+            dirty = self._dirty_rows.get(key, 0)
+            if dirty > rows:
+                buffer[rows:dirty].zero_()
+            self._dirty_rows[key] = rows
+            alias = self._aliases.get((key, size))
+            if alias is None:
+                alias = _compat.storage_alias(buffer, size)
+                _compat.mark_token_dim(alias, 0)
+                self._aliases[(key, size)] = alias
+            staged[name] = alias
+        return staged
+
+    def _finish(self, output: Any, tokens: int, size: int) -> Any:
+        token_ids = self.state.token_outputs
+        clone = self.config.clone_outputs
+
+        def fix(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if id(value) in token_ids or (not token_ids and value.dim() > 0 and value.shape[0] == size):
+                value = value[:tokens]
+            return value.clone() if clone else value
+
+        return torch.utils._pytree.tree_map(fix, output)
+
+    # --- first call: warm-up, trace, capture ---------------------------------------------------------------
+
+    def _prepare(self, arguments: dict[str, Any]) -> None:
+        self._prepared = True
+        model_tensors = [*self.model.parameters(), *self.model.buffers()]
+        for name, value in arguments.items():
+            if isinstance(value, torch.Tensor) and name not in self._dynamic:
+                self._static_ptrs[name] = value.data_ptr()
+        self.state.stable_ptrs.update(t.data_ptr() for t in model_tensors)
+        self.state.stable_ptrs.update(self._static_ptrs.values())
+        self._first_signature = self._signature(arguments)
+        started = time.perf_counter()
+        self.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
+        self.stats["prewarm_seconds"] = time.perf_counter() - started
+        devices = {t.device.type for t in model_tensors} | {arguments[n].device.type for n in self._dynamic}
+        use_graphs = self.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()
+        self.state.graphs_enabled = use_graphs
+        self.stats["cuda_graphs"] = use_graphs
+        if not use_graphs:
+            reason = "disabled by CaptureConfig(cuda_graphs=False)" if not self.config.cuda_graphs else "no CUDA"
+            logger.info("piecewise: pieces run without CUDA graphs (%s)", reason)
+            return
+        self._capture(arguments)
+
+    def capture(self, *args, **kwargs) -> None:
+        """Warm up, trace and capture every size now (with these example inputs, or the last call's)."""
+        if args or kwargs:
+            arguments = self._bind(args, kwargs)
+            self._token_count(arguments)
+        elif self._last_arguments is not None:
+            arguments = self._last_arguments
+        else:
+            raise ValueError("PiecewiseModel.capture() needs example inputs: call it with the model's arguments")
+        if self._prepared:
+            return
+        self._last_arguments = arguments
+        with torch.no_grad():
+            self._prepare(arguments)
+
+    def _capture(self, arguments: dict[str, Any]) -> None:
+        state = self.state
+        tokens = arguments[next(iter(self._dynamic))].shape[0]
+        state.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        started = time.perf_counter()
+        gc.collect()
+        gc.freeze()  # no collection during capture: a collected CUDA tensor would free memory mid-capture
+        try:
+            with torch.cuda.stream(stream), _progress(len(self._sizes)) as progress:
+                task = progress.add_task("capturing CUDA graphs", total=len(self._sizes)) if progress else None
+                for size in reversed(self._sizes):
+                    rows = min(tokens, size)
+                    staged = self._stage({**arguments, **{n: arguments[n][:rows] for n in self._dynamic}}, rows, size)
+                    state.size, state.num_tokens = size, rows
+                    for phase in (PADDED, CAPTURE):
+                        state.phase = phase
+                        state.token_outputs.clear()
+                        with forward_context(rows, size, capturing=phase == CAPTURE):
+                            self._call_compiled(staged)
+                    for piece in state.captured_this_size:
+                        piece.release_outputs(size)
+                    if state.captured_this_size:
+                        self.stats["captured_sizes"].append(size)
+                    state.captured_this_size.clear()
+                    if progress:
+                        progress.advance(task)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+        finally:
+            gc.unfreeze()
+            state.phase = DIRECT
+        state.capture_done = True
+        self.stats["captured_sizes"].sort()
+        self.stats["graphs"] = sum(len(p.graphs) for r in state.graph_runners for p in r.pieces)
+        self.stats["capture_seconds"] = time.perf_counter() - started
+        self.stats["pool_bytes"] = _compat.graph_pool_bytes(state.pool) or 0
+
+    # --- tracing --------------------------------------------------------------------------------------
+
+    def _backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
+        splitting = frozenset(self.config.splitting_ops) if self.config.splitting_ops is not None else splitting_op_names()
+        return GraphRunner(graph, self.state, self._compiler, splitting)
+
+    def _on_new_graph(self, runner: GraphRunner) -> None:
+        self._traced_in_call = True
+        self.stats["compile_seconds"] += runner.compile_seconds
+        if self.state.capture_done or self.stats["traces"] > 0:
+            runner.graphs_allowed = False
+            change = self._describe_change()
+            warnings.warn(
+                f"piecewise: the model was traced again after the first trace ({change}); the new graph runs "
+                f"without CUDA graphs. Call the model with the argument types it was captured with, or compile "
+                f"a separate runner for this variant.",
+                stacklevel=6,
+            )
+            return
+        self.stats["pieces"] += len(runner.pieces)
+        self.stats["graph_breaks"] = len(self._tracer.blockers) if self._tracer.graph_breaks else 0
+
+    def _signature(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        def describe(name: str, value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                shape = list(value.shape)
+                if name in self._dynamic:
+                    shape[0] = "tokens"
+                return (value.dtype, value.device.type, tuple(shape))
+            return repr(value)
+
+        return {name: describe(name, value) for name, value in arguments.items()}
+
+    def _describe_change(self) -> str:
+        if self._first_signature is None or self._last_arguments is None:
+            return "unknown change"
+        now = self._signature(self._last_arguments)
+        changes = [
+            f"argument {name!r}: {self._first_signature.get(name)} -> {now.get(name)}"
+            for name in sorted(set(now) | set(self._first_signature))
+            if now.get(name) != self._first_signature.get(name)
+        ]
+        return "; ".join(changes) if changes else "a guard on model state failed"
+
+
+def compile(
+    model: torch.nn.Module, config: CaptureConfig | None = None, *, dynamic: dict[str, int] | None = None
+) -> PiecewiseModel:
+    """Make ``model`` run as piecewise CUDA graphs.
+
+    ``dynamic`` maps forward argument names to their token dimension (only dimension 0 is supported);
+    default: dimension 0 of the first forward argument. Every other tensor argument is static: it must be
+    the same storage on every call (KV caches), or the call raises ``ValueError`` naming it.
+    """
+    return PiecewiseModel(model, config if config is not None else CaptureConfig(), dynamic)
