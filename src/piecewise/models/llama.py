@@ -45,10 +45,11 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, index: int):
+    def __init__(self, config: LlamaConfig, index: int, attend=attention):
         super().__init__()
         self.config = config
         self.index = index
+        self.attend = attend
         hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.input_norm = RMSNorm(hidden)
         self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
@@ -57,7 +58,8 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def pre_attention(self, x: torch.Tensor, positions: torch.Tensor):
+        """Norm, QKV projection and rotary: [T, hidden] → q [T, Hq, D], k/v [T, Hkv, D]."""
         c = self.config
         tokens = x.shape[0]
         q, k, v = self.qkv(self.input_norm(x)).split(
@@ -65,20 +67,27 @@ class DecoderLayer(nn.Module):
         )
         q = rotate(q.view(tokens, c.num_heads, c.head_dim), positions, c.rope_theta)
         k = rotate(k.view(tokens, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
-        v = v.view(tokens, c.num_kv_heads, c.head_dim)
-        x = x + self.o_proj(attention(q, k, v, positions, kv_cache, self.index))
+        return q, k, v.view(tokens, c.num_kv_heads, c.head_dim)
+
+    def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, norm and SwiGLU MLP."""
+        x = x + self.o_proj(attended)
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.pre_attention(x, positions)
+        return self.post_attention(x, self.attend(q, k, v, positions, kv_cache, self.index))
 
 
 class TinyLlama(nn.Module):
     """Decoder-only model over one sequence: ``forward(input_ids [T], positions [T], kv_cache) -> logits [T, V]``."""
 
-    def __init__(self, config: LlamaConfig | None = None):
+    def __init__(self, config: LlamaConfig | None = None, attend=attention):
         super().__init__()
         self.config = config = config or LlamaConfig()
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, attend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

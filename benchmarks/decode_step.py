@@ -1,0 +1,226 @@
+"""Decode-step latency on the "L16" model: eager, full CUDA graph, hand-made piecewise floor, piecewise
+(eager pieces), piecewise (inductor pieces), torch.compile reduce-overhead; plus capture time and pool bytes.
+
+    PYTHONPATH=src python benchmarks/decode_step.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import piecewise
+from piecewise.models.decode import L16, DecodeLlama
+
+BATCHES = (1, 8, 32, 128)
+
+
+def wall_ms(fn, iters: int = 50, repeats: int = 5) -> float:
+    """Host-inclusive time per call (launch overhead is the point), median of ``repeats``."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def inputs(batch: int, cache: torch.Tensor, vocab: int):
+    generator = torch.Generator(device="cuda").manual_seed(batch)
+    ids = torch.randint(0, vocab, (batch,), device="cuda", generator=generator)
+    positions = torch.full((batch,), L16.max_seq_len - 1, device="cuda", dtype=torch.long)
+    return ids, positions, cache
+
+
+def full_graph(model, ids, positions, cache):
+    static = (ids.clone(), positions.clone())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model(*static, cache)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(*static, cache)
+    return lambda: graph.replay(), out
+
+
+def hand_piecewise(model, ids, positions, cache):
+    """The floor: one graph per region between attentions, written by hand; attention eager in between,
+    its output copied into the next graph's static input (what any piecewise runtime must at least do)."""
+    layers = model.layers
+    batch = ids.shape[0]
+    x_in = model.embed(ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs, qkv_out, attn_in, resid = [], [], [], []
+    pool = torch.cuda.graph_pool_handle()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            x = model.embed(ids)
+            qkv = layers[0].pre_attention(x, positions)
+        graphs.append(graph)
+        qkv_out.append(qkv)
+        resid.append(x)
+        for i, layer in enumerate(layers):
+            attended = torch.zeros(batch, L16.num_heads * L16.head_dim, device="cuda", dtype=x_in.dtype)
+            attn_in.append(attended)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                x = layer.post_attention(resid[i], attended)
+                if i + 1 < len(layers):
+                    qkv = layers[i + 1].pre_attention(x, positions)
+                else:
+                    out = model.lm_head(model.norm(x))
+            graphs.append(graph)
+            qkv_out.append(qkv)
+            resid.append(x)
+    torch.cuda.current_stream().wait_stream(stream)
+
+    def step():
+        graphs[0].replay()
+        for i, layer in enumerate(layers):
+            q, k, v = qkv_out[i]
+            attn_in[i].copy_(layer.attend(q, k, v, positions, cache, i))
+            graphs[i + 1].replay()
+
+    return step, out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="directory for decode_step.json and decode_step.md")
+    parser.add_argument("--skip-inductor", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("decode_step.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    model = DecodeLlama(L16).to(device="cuda", dtype=torch.bfloat16).eval()
+    cache = model.make_kv_cache(max(BATCHES))
+    cache.normal_()
+    results: dict[str, dict[int, float]] = {}
+    errors: dict[str, dict[int, float]] = {}
+
+    def record(variant, batch, ms, out=None, ref=None):
+        results.setdefault(variant, {})[batch] = ms
+        if out is not None and ref is not None:
+            errors.setdefault(variant, {})[batch] = float((out.float() - ref.float()).norm() / ref.float().norm())
+
+    refs = {}
+    with torch.no_grad():
+        for batch in BATCHES:
+            ids, positions, _ = inputs(batch, cache, L16.vocab_size)
+            refs[batch] = model(ids, positions, cache).clone()
+            record("eager", batch, wall_ms(lambda: model(ids, positions, cache)))
+            step, out = full_graph(model, ids, positions, cache)
+            step()
+            record("full graph", batch, wall_ms(step), out, refs[batch])
+            step, out = hand_piecewise(model, ids, positions, cache)
+            step()
+            record("hand piecewise (floor)", batch, wall_ms(step), out, refs[batch])
+
+    capture = {}
+    compilers = ["eager"] if args.skip_inductor else ["eager", "inductor"]
+    for compiler in compilers:
+        name = f"piecewise ({compiler} pieces)"
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=512, compiler=compiler))
+        ids, positions, _ = inputs(max(BATCHES), cache, L16.vocab_size)
+        started = time.perf_counter()
+        runner.capture(ids, positions, cache)
+        first = time.perf_counter() - started
+        stats = runner.stats
+        capture[name] = {
+            "sizes": len(stats["captured_sizes"]),
+            "capture_seconds": stats["capture_seconds"],
+            "first_call_seconds": first,
+            "compile_seconds": stats["compile_seconds"],
+            "pool_bytes": stats["pool_bytes"],
+            "graphs": stats["graphs"],
+            "pieces": stats["pieces"],
+            "traces": stats["traces"],
+        }
+        for batch in BATCHES:
+            ids, positions, _ = inputs(batch, cache, L16.vocab_size)
+            out = runner(ids, positions, cache)
+            record(name, batch, wall_ms(lambda: runner(ids, positions, cache)), out, refs[batch])
+        capture[name]["traces_after_all_batches"] = runner.stats["traces"]
+        del runner
+        torch.cuda.empty_cache()
+
+    if not args.skip_inductor:
+        compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+        name = "reduce-overhead"
+        with torch.no_grad():
+            for batch in BATCHES:
+                ids, positions, _ = inputs(batch, cache, L16.vocab_size)
+                started = time.perf_counter()
+                out = compiled(ids, positions, cache)
+                out = compiled(ids, positions, cache)
+                out = compiled(ids, positions, cache).clone()
+                capture.setdefault(name, {})[f"first_calls_seconds_B{batch}"] = time.perf_counter() - started
+                record(name, batch, wall_ms(lambda: compiled(ids, positions, cache)), out, refs[batch])
+
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "command": "PYTHONPATH=src python benchmarks/decode_step.py " + " ".join(sys.argv[1:]),
+        "model": "L16: hidden 2048, 16 q / 4 kv heads, head_dim 128, FFN 5632, 16 layers, bf16, KV context 1024",
+    }
+    lines = [
+        "# Decode step, L16 model",
+        "",
+        *(f"- {k}: {v}" for k, v in meta.items()),
+        "",
+        "ms per step (host-inclusive wall time, median of 5×50 calls); rel. error vs eager in brackets",
+        "",
+        "| variant | " + " | ".join(f"B={b}" for b in BATCHES) + " |",
+        "|---|" + "---|" * len(BATCHES),
+    ]
+    for variant, row in results.items():
+        cells = []
+        for b in BATCHES:
+            err = errors.get(variant, {}).get(b)
+            cells.append(f"{row[b]:.3f}" + (f" ({err:.1e})" if err is not None else ""))
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    floor = results["hand piecewise (floor)"]
+    lines += ["", "Targets:"]
+    if "piecewise (eager pieces)" in results:
+        ratio = results["piecewise (eager pieces)"][1] / floor[1]
+        lines.append(f"- piecewise(eager)/floor at B=1: {ratio:.3f} (target ≤ 1.05)")
+    if "piecewise (inductor pieces)" in results and "reduce-overhead" in results:
+        for b in BATCHES:
+            best = min(results["full graph"][b], results["reduce-overhead"][b])
+            mine = results["piecewise (inductor pieces)"][b]
+            lines.append(f"- B={b}: piecewise(inductor) {mine:.3f} vs min(full graph, reduce-overhead) {best:.3f}")
+    lines += ["", "Capture (51 sizes, max_tokens 512):", ""]
+    for name, info in capture.items():
+        lines.append(f"- {name}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items()))
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "decode_step.json"), "w") as f:
+            json.dump({"meta": meta, "ms": results, "rel_error": errors, "capture": capture}, f, indent=2)
+        with open(os.path.join(args.out, "decode_step.md"), "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Batched decode: B sequences, one new token each, a KV cache per sequence (the benchmark's "L16" shape)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..opaque import opaque_op
+from .llama import LlamaConfig, TinyLlama
+
+
+def _decode_attention_fake(q, k, v, positions, kv_cache, layer):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@opaque_op("piecewise_examples::decode_attention", fake=_decode_attention_fake, mutates_args=("kv_cache",), split=True)
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """q [B, Hq, D], k/v [B, Hkv, D], kv_cache [layers, 2, Bmax, Hkv, S, D]; token b is sequence b at
+    ``positions[b]``, attending to the whole cache row (the context is full: S tokens)."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    cache = kv_cache[layer, :, :batch]  # [2, B, Hkv, S, D]
+    rows = torch.arange(batch, device=q.device)
+    cache[0][rows, :, positions] = k
+    cache[1][rows, :, positions] = v
+    # GQA without expanding K/V: the group's query heads become the query length of one KV head.
+    query = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(query, cache[0], cache[1])
+    return out.reshape(batch, q_heads * head_dim)
+
+
+L16 = LlamaConfig(
+    vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=4, head_dim=128,
+    intermediate_size=5632, max_seq_len=1024,
+)
+
+
+class DecodeLlama(TinyLlama):
+    """``forward(input_ids [B], positions [B], kv_cache) -> logits [B, V]``: one decode step for B sequences."""
+
+    def __init__(self, config: LlamaConfig = L16):
+        super().__init__(config, attend=decode_attention)
+
+    def make_kv_cache(self, batch: int, device=None, dtype=None) -> torch.Tensor:
+        c = self.config
+        weight = self.lm_head.weight
+        return torch.zeros(
+            (c.num_layers, 2, batch, c.num_kv_heads, c.max_seq_len, c.head_dim),
+            device=device or weight.device,
+            dtype=dtype or weight.dtype,
+        )

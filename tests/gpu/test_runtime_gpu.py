@@ -1,0 +1,98 @@
+"""The CUDA path: graphs really captured and replayed, bf16 parity with eager, one shared pool."""
+
+import pytest
+import torch
+
+import piecewise
+from piecewise.models import example
+
+pytestmark = pytest.mark.gpu
+
+
+def rel_error(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def make(tokens=5, **config):
+    model, (ids, positions, cache) = example(tokens=tokens, device="cuda", dtype=torch.bfloat16, **config)
+    return model, ids, positions, cache
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_bf16_matches_eager_for_every_token_count(compiler):
+    model, ids, positions, cache = make(num_layers=3)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=32, compiler=compiler))
+    runner(ids, positions, cache)
+    stats = runner.stats
+    assert stats["cuda_graphs"] is True
+    assert stats["captured_sizes"] == piecewise.CaptureConfig(max_tokens=32).sizes
+    assert stats["pieces"] == 4
+    assert stats["graphs"] == 4 * len(stats["captured_sizes"])
+    for tokens in range(1, 36):
+        ids = torch.randint(0, model.config.vocab_size, (tokens,), device="cuda")
+        positions = torch.arange(tokens, device="cuda") + 11
+        reference_cache = cache.clone()
+        ref = model(ids, positions, reference_cache)
+        replays = runner.stats["replays"]
+        out = runner(ids, positions, cache)
+        assert rel_error(out, ref) <= 1e-2, tokens
+        assert rel_error(cache, reference_cache) <= 1e-2
+        if tokens <= 32:
+            assert runner.stats["replays"] - replays == 4, "every piece must replay its graph"
+    assert runner.stats["traces"] == 1
+    assert runner.stats["fallback_calls"] == 3
+
+
+def test_pool_is_shared_across_sizes():
+    model, ids, positions, cache = make(num_layers=2, hidden_size=512, intermediate_size=1024)
+    one = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=512, capture_sizes=[512]))
+    one(ids, positions, cache)
+    many = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=512))
+    many(ids, positions, cache)
+    assert len(many.stats["captured_sizes"]) == 51
+    print("pool bytes: one size", one.stats["pool_bytes"], "51 sizes", many.stats["pool_bytes"])
+    assert 0 < many.stats["pool_bytes"] < 51 * one.stats["pool_bytes"] / 4
+
+
+def test_moved_static_buffer_is_an_error_on_cuda():
+    model, ids, positions, cache = make()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16))
+    runner(ids, positions, cache)
+    with pytest.raises(ValueError, match="kv_cache"):
+        runner(ids, positions, cache.clone())
+
+
+def test_retrace_after_capture_runs_without_graphs_and_warns():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+
+        def forward(self, x, scale: float):
+            return self.linear(x) * scale
+
+    model = Scaled().cuda()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16))
+    x = torch.randn(5, 64, device="cuda")
+    runner(x, 2.0)
+    with pytest.warns(UserWarning, match="scale"):
+        out = runner(x, 3.0)
+    torch.testing.assert_close(out, model(x, 3.0))
+    torch.testing.assert_close(runner(x, 2.0), model(x, 2.0))
+
+
+def test_capture_illegal_op_names_the_line():
+    class Syncs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y.cpu().cuda() + 1  # capture-illegal: blocking copy
+
+    runner = piecewise.compile(Syncs().cuda(), piecewise.CaptureConfig(max_tokens=8))
+    with pytest.raises(RuntimeError) as info:
+        runner(torch.randn(3, 16, device="cuda"))
+    message = str(info.value)
+    assert "test_runtime_gpu.py" in message and "capture-illegal" in message
