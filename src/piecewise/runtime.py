@@ -87,9 +87,9 @@ class PiecewiseModel:
 
     # --- arguments ------------------------------------------------------------------------------------
 
-    def _check_dynamic(self, dynamic: dict[str, int] | None) -> dict[str, int]:
+    def _check_dynamic(self, dynamic: dict[str, int] | None) -> dict[str, int] | None:
         if dynamic is None:
-            return {self._names[0]: 0}
+            return None  # decided at the first call: see _default_dynamic
         if not isinstance(dynamic, dict) or not dynamic:
             raise ValueError(f"piecewise.compile: dynamic must map argument names to token dims, got {dynamic!r}")
         for name, dim in dynamic.items():
@@ -112,7 +112,31 @@ class PiecewiseModel:
             arguments[name] = value
         return arguments
 
+    def _default_dynamic(self, arguments: dict[str, Any]) -> dict[str, int]:
+        """Dim 0 of the first argument, and of every other 1-D or 2-D tensor argument of the same length
+        at the first call (positions, slot mappings). Larger tensors (KV caches) stay static."""
+        first = arguments.get(self._names[0])
+        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+            raise ValueError(
+                f"piecewise: the first forward argument {self._names[0]!r} carries the tokens by default and must "
+                f"be a tensor with a token dimension 0; pass dynamic={{'name': 0, ...}} to name the token arguments"
+            )
+        chosen = {self._names[0]: 0}
+        for name, value in arguments.items():
+            if name not in chosen and isinstance(value, torch.Tensor) and 1 <= value.dim() <= 2:
+                if value.shape[0] == first.shape[0]:
+                    chosen[name] = 0
+        logger.info("piecewise: token arguments (dim 0): %s", ", ".join(chosen))
+        return chosen
+
+    @property
+    def token_arguments(self) -> dict[str, int] | None:
+        """Forward arguments that carry the token dimension (known after the first call without dynamic=)."""
+        return None if self._dynamic is None else dict(self._dynamic)
+
     def _token_count(self, arguments: dict[str, Any]) -> int:
+        if self._dynamic is None:
+            self._dynamic = self._default_dynamic(arguments)
         count = None
         for name, dim in self._dynamic.items():
             value = arguments.get(name)
