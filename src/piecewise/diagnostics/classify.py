@@ -1,0 +1,302 @@
+"""From a Dynamo failure (reason text + user stack) to a blocker kind, a call chain and a remedy.
+
+Kinds are decided from Dynamo's reason text and ``gb_type`` first, then from what the chain passes through
+(a frame in the stdlib ``logging`` or ``random`` module, the source line of the innermost user frame).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+import sys
+import sysconfig
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KINDS = (
+    "jit_subprocess",
+    "host_sync",
+    "data_dependent_shape",
+    "compiler_disabled",
+    "python_rng",
+    "logging",
+    "unsupported_context_manager",
+    "unsupported_builtin",
+    "capture_illegal",
+)
+
+FIXES: dict[str, str] = {
+    "jit_subprocess": (
+        "The called code runs host-side setup (a subprocess, a lock, file I/O) that Dynamo cannot trace. Make "
+        "the library function an opaque op so tracing records one call and never enters it: "
+        "fn = piecewise.wrap_opaque(library.fn, fake=...), and call fn from forward."
+    ),
+    "host_sync": (
+        "Keep values on the device: replace .item() / .tolist() / .cpu() / printing tensors and Python `if` "
+        "on tensor values with tensor ops (torch.where, masks, clamp), or compute host-side values before "
+        "forward and pass them in. A host sync is illegal while a CUDA graph captures."
+    ),
+    "data_dependent_shape": (
+        "Keep shapes static: use a fixed-size formulation (torch.where(cond, x, y) or a mask multiply instead "
+        "of boolean indexing, padding to a maximum count, topk with a fixed k), or move the op into a function "
+        "made a splitting op, piecewise.opaque_op(name, split=True), so it runs eagerly between captured pieces."
+    ),
+    "compiler_disabled": (
+        "A torch.compiler.disable region cannot be traced with fullgraph=True. Make the function an opaque op "
+        "instead: fn = piecewise.wrap_opaque(fn, fake=...) (add split=True if it must run eagerly, outside "
+        "the CUDA graphs)."
+    ),
+    "python_rng": (
+        "Python/NumPy randomness is drawn on the host, outside torch's generators and outside the graph. Use "
+        "torch's RNG on the device (torch.rand(..., device=x.device)) or draw the values before forward and "
+        "pass them in as a tensor."
+    ),
+    "logging": (
+        "Remove print/logging from forward, or guard it with `if not torch.compiler.is_compiling():` "
+        "(replayed CUDA graphs run no Python, so such lines would never run there anyway)."
+    ),
+    "unsupported_context_manager": (
+        "Dynamo only enters context managers it knows (torch.no_grad, autocast, ...). Move the `with` out of "
+        "forward, or put the code that needs it in a function made opaque with piecewise.wrap_opaque(fn, "
+        "fake=...)."
+    ),
+    "unsupported_builtin": (
+        "Dynamo cannot trace this call. Do it once outside forward (e.g. in __init__), or make the function "
+        "that contains it an opaque op: piecewise.wrap_opaque(fn, fake=...)."
+    ),
+    "capture_illegal": (
+        "This op is illegal inside a CUDA graph capture (host sync, CPU work, or an allocation the capture "
+        "cannot see). Make it a splitting op so it runs eagerly between captured pieces: "
+        "piecewise.opaque_op(name, split=True) or piecewise.wrap_opaque(fn, split=True), or replace it with "
+        "a capture-safe kernel."
+    ),
+}
+
+# Host-process primitives reached from JIT kernel libraries on first use.
+_PROCESS_MODULES = frozenset(
+    {"_thread", "threading", "subprocess", "_posixsubprocess", "posix", "nt", "os", "fcntl", "msvcrt",
+     "multiprocessing", "_multiprocessing", "filelock", "select", "selectors", "socket", "_socket", "signal",
+     "tempfile", "shutil", "io", "_io"}
+)
+_LOCK_NAMES = re.compile(r"`(?:lock|RLock|Lock|Condition|Semaphore|BoundedSemaphore|\w*FileLock)`")
+_RNG_LINE = re.compile(r"\b(?:np|numpy)\.random\.|(?<![\w.])random\.\w+\(")
+_DEBUG_MODULE = re.compile(r"module: ([\w.]+)")
+_DISABLED_FN = re.compile(r"<function (?P<name>[\w.<>]+) at 0x")
+
+_TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+_SITE_DIRS = tuple(
+    os.path.realpath(path) + os.sep
+    for path in {sysconfig.get_paths().get(key) for key in ("purelib", "platlib")}
+    if path
+)
+_STDLIB_DIRS = tuple(
+    os.path.realpath(path) + os.sep
+    for path in {sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib")}
+    if path
+)
+
+
+@dataclass
+class Finding:
+    """A classified failure before it becomes a Blocker: kind, short message, kept frames."""
+
+    kind: str
+    message: str
+    frames: list[traceback.FrameSummary]
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(path) if path and not path.startswith("<") else path
+
+
+def is_torch_internal(path: str) -> bool:
+    return _real(path).startswith(_TORCH_DIR)
+
+
+def is_stdlib(path: str) -> bool:
+    if path.startswith("<frozen"):
+        return True
+    real = _real(path)
+    return real.startswith(_STDLIB_DIRS) and not real.startswith(_SITE_DIRS)
+
+
+def _stdlib_module(path: str) -> str | None:
+    """Top-level module name of a stdlib or site-packages file (``subprocess``, ``logging``, ``filelock``)."""
+    real = _real(path)
+    for root in (*_SITE_DIRS, *_STDLIB_DIRS):
+        if real.startswith(root):
+            relative = real[len(root):]
+            return relative.split(os.sep, 1)[0].removesuffix(".py")
+    return None
+
+
+def keep_frames(stack: list[traceback.FrameSummary]) -> tuple[list[traceback.FrameSummary], str | None]:
+    """Frames the user needs: no torch internals, and no stdlib tail below the last user/library frame.
+
+    Returns the kept frames and ``module.function`` of the first dropped stdlib frame of the tail (the
+    stdlib entry point the code called, e.g. ``subprocess.check_output``), if any.
+    """
+    frames = [frame for frame in stack if not is_torch_internal(frame.filename)]
+    last_user = max((i for i, frame in enumerate(frames) if not is_stdlib(frame.filename)), default=-1)
+    if last_user < 0:
+        return frames[:1], None
+    tail = frames[last_user + 1:]
+    via = f"{_stdlib_module(tail[0].filename)}.{tail[0].name}" if tail else None
+    return frames[: last_user + 1], via
+
+
+def _explanation(reason: str) -> str:
+    """Dynamo's ``Explanation:`` text, first sentence, or the first line of the reason."""
+    match = re.search(r"Explanation:\s*(.+)", reason)
+    text = match.group(1).strip() if match else ""
+    sentence = re.split(r"(?<=[.)`])\s+(?=[A-Z])", text, maxsplit=1)[0]
+    return sentence.replace(".`", "`").rstrip(".")
+
+
+# Reasons Dynamo gives without an explanation, reworded.
+_TERSE_REASONS = {
+    "generic_jump": "Data-dependent branching: Python control flow (`if`, `while`, `bool()`) on a tensor value",
+}
+
+
+def short_message(reason: str, gb: str | None) -> str:
+    lines = reason.strip().splitlines()
+    headline = gb or (lines[0].strip() if lines else "graph break")
+    for prefix, reworded in _TERSE_REASONS.items():
+        if headline.startswith(prefix):
+            return reworded
+    explanation = _explanation(reason)
+    if explanation and explanation.lower() != headline.lower():
+        return f"{headline}: {explanation}"
+    return headline
+
+
+def classify(reason: str, gb: str | None, stack: list[traceback.FrameSummary]) -> str:
+    """Blocker kind of one Dynamo failure, from its reason text, ``gb_type`` and full user stack."""
+    text = f"{gb or ''}\n{reason}"
+    lowered = text.lower()
+    modules = {_stdlib_module(frame.filename) for frame in stack if is_stdlib(frame.filename)}
+    user_frames = [f for f in stack if not is_torch_internal(f.filename) and not is_stdlib(f.filename)]
+    innermost_code = (user_frames[-1].line or "") if user_frames else ""
+    debug_module = _DEBUG_MODULE.search(text)
+    blocked_module = debug_module.group(1).split(".")[0] if debug_module else None
+
+    if "compiler.disable" in lowered or "_dynamo.disable" in lowered:
+        return "compiler_disabled"
+    if _RNG_LINE.search(innermost_code) or "random" in modules or "Random." in text or blocked_module in (
+        "random", "_random"
+    ):
+        return "python_rng"
+    is_print = "builtin operator `print`" in text or "builtin print" in text
+    if is_print:
+        return "host_sync" if "'Tensor'" in text or "TensorVariable" in text else "logging"
+    if "logging" in modules or "logger" in lowered:
+        return "logging"
+    if (
+        blocked_module in _PROCESS_MODULES
+        or modules & _PROCESS_MODULES
+        or "builtin operator `open`" in text
+        or ("context manager" in lowered and _LOCK_NAMES.search(text))
+    ):
+        return "jit_subprocess"
+    if "context manager" in lowered:
+        return "unsupported_context_manager"
+    if "dynamic shape operator" in lowered or "output shape depends on input tensor data" in lowered:
+        return "data_dependent_shape"
+    host_sync_markers = ("item()", "tolist()", "data dependent operator", "_local_scalar_dense",
+                         "data-dependent branching", "generic_jump", "data-dependent expression")
+    if any(marker in lowered for marker in host_sync_markers):
+        return "host_sync"
+    return "unsupported_builtin"
+
+
+def _module_name_of(path: str) -> str | None:
+    real = _real(path)
+    for name, module in list(sys.modules.items()):
+        module_file = getattr(module, "__file__", None)
+        if module_file and _real(module_file) == real:
+            return name
+    return None
+
+
+def _public_path(module_name: str, function: str) -> tuple[str, object | None]:
+    """Shortest ``package.function`` path that names the same object as ``module_name.function``."""
+    module = sys.modules.get(module_name)
+    target = getattr(module, function, None) if module is not None else None
+    if target is None:
+        return f"{module_name}.{function}", None
+    parts = module_name.split(".")
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        if getattr(sys.modules.get(prefix), function, None) is target:
+            return f"{prefix}.{function}", target
+    return f"{module_name}.{function}", target
+
+
+def _package_root(path: str) -> str:
+    """Top-most package directory holding ``path`` (the file itself when it is not in a package)."""
+    directory = os.path.dirname(_real(path))
+    if not os.path.exists(os.path.join(directory, "__init__.py")):
+        return _real(path)
+    while os.path.exists(os.path.join(os.path.dirname(directory), "__init__.py")):
+        directory = os.path.dirname(directory)
+    return directory + os.sep
+
+
+def library_entry(frames: list[traceback.FrameSummary], root_file: str) -> int | None:
+    """Index of the outermost frame outside the model's own file/package and outside the stdlib."""
+    root = _package_root(root_file)
+    for index, frame in enumerate(frames):
+        real = _real(frame.filename)
+        inside_model = real == root if not root.endswith(os.sep) else real.startswith(root)
+        if not inside_model and not is_stdlib(frame.filename) and not is_torch_internal(frame.filename):
+            return index
+    return None
+
+
+def jit_fix(frames: list[traceback.FrameSummary], root_file: str | None) -> str:
+    """The remedy for ``jit_subprocess``, naming the library entry point to wrap."""
+    entry = library_entry(frames, root_file or (frames[0].filename if frames else ""))
+    if entry is None:
+        return FIXES["unsupported_builtin"].replace("Dynamo cannot trace this call", "Dynamo cannot trace "
+                                                    "host-process calls (subprocess, locks, file I/O)")
+    frame = frames[entry]
+    module_name = _module_name_of(frame.filename)
+    dotted, target = _public_path(module_name, frame.name) if module_name else (frame.name, None)
+    try:
+        params = ", ".join(inspect.signature(target).parameters) if callable(target) else "*args"
+    except (TypeError, ValueError):
+        params = "*args"
+    call_site = frames[entry - 1] if entry > 0 else None
+    where = f" (the call at {call_site.filename}:{call_site.lineno})" if call_site else ""
+    return (
+        f"{dotted} runs host-side setup on first use (a subprocess, lock or file I/O: e.g. a JIT build or a "
+        f"toolkit version check) that Dynamo cannot trace. Make it an opaque op so tracing records one call "
+        f"and never enters it, and call the wrapper from forward{where}:\n"
+        f"    {frame.name} = piecewise.wrap_opaque({dotted}, fake=lambda {params}: ...)\n"
+        f"The fake returns empty tensors with the output shapes and dtypes; piecewise's eager warm-up makes "
+        f"the first (building) call outside tracing."
+    )
+
+
+def disabled_function(reason: str) -> str | None:
+    match = _DISABLED_FN.search(reason)
+    return match.group("name") if match else None
+
+
+def analyse(reason: str, gb: str | None, stack: list[traceback.FrameSummary]) -> Finding:
+    """Kind, message and kept frames of one Dynamo failure."""
+    kind = classify(reason, gb, stack)
+    frames, via = keep_frames(stack)
+    message = short_message(reason, gb)
+    if kind == "compiler_disabled" and (name := disabled_function(reason)):
+        message = f"calls {name}, which is wrapped in torch.compiler.disable (fullgraph=True cannot skip it)"
+    if via:
+        message += f" (reached through {via})"
+    return Finding(kind=kind, message=message, frames=frames)

@@ -1,0 +1,134 @@
+"""``piecewise.doctor``: list everything that stops a model from being captured, and how to fix each.
+
+The doctor runs the model once eagerly (so lazily defined opaque ops get their schema and JIT kernels are
+built outside tracing), then finds every blocker Dynamo reports for ``model.forward``, then, when the model
+lives on a CUDA device, asks the runtime for a trial capture that finds ops illegal inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.text import Text
+
+from piecewise.diagnostics.blockers import Blocker, find_blockers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DoctorReport:
+    """What the doctor found: ``blockers`` (empty when the model is capture-safe)."""
+
+    blockers: list[Blocker] = field(default_factory=list)
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+    trial_capture: bool = False
+    """Whether a trial CUDA-graph capture ran (CUDA model and a runtime that provides it)."""
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing blocks capture."""
+        return not self.blockers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "torch_version": self.torch_version,
+            "trial_capture": self.trial_capture,
+            "blockers": [blocker.to_dict() for blocker in self.blockers],
+        }
+
+    def to_json(self) -> str:
+        """JSON with stable keys: ok, torch_version, trial_capture, blockers[{kind, message, chain[{file,
+        line, function, code}], fix}]."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    def render(self, console: Console) -> None:
+        """Print the report to a rich console: one panel per blocker, or a capture-safe line."""
+        if self.ok:
+            checked = "Dynamo trace and trial CUDA-graph capture" if self.trial_capture else "Dynamo trace"
+            console.print(Text(f"capture-safe: no blockers found ({checked}, torch {self.torch_version})",
+                               style="bold green"))
+            return
+        console.print(Text(f"{len(self.blockers)} capture blocker(s) found (torch {self.torch_version})",
+                           style="bold red"))
+        for index, blocker in enumerate(self.blockers, start=1):
+            console.print(_panel(index, blocker))
+
+    def __str__(self) -> str:
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=120, color_system=None, force_terminal=False)
+        self.render(console)
+        return buffer.getvalue()
+
+
+def _panel(index: int, blocker: Blocker) -> Panel:
+    parts: list[Any] = [Text(blocker.message)]
+    if blocker.chain:
+        chain = Text("\ncall chain (forward first):\n", style="bold")
+        for depth, frame in enumerate(blocker.chain):
+            chain.append(f"{'  ' * depth}{frame}\n", style="cyan")
+            if frame.code:
+                chain.append(f"{'  ' * depth}    {frame.code}\n", style="dim")
+        parts.append(chain)
+    fix = Text("fix: ", style="bold green")
+    fix.append(blocker.fix)
+    parts.append(fix)
+    return Panel(Group(*parts), title=f"{index}. {blocker.kind}", title_align="left", border_style="red")
+
+
+def _forward_of(model: Any) -> Callable:
+    if isinstance(model, torch.nn.Module):
+        return model.forward
+    if callable(model):
+        return model
+    raise TypeError(f"doctor() needs an nn.Module or a callable, got {type(model).__name__}")
+
+
+def _on_cuda(model: Any) -> bool:
+    if not torch.cuda.is_available() or not isinstance(model, torch.nn.Module):
+        return False
+    tensors = [*model.parameters(), *model.buffers()]
+    return any(tensor.is_cuda for tensor in tensors)
+
+
+def _trial_capture(model: Any, args: tuple, kwargs: dict) -> list[Blocker] | None:
+    """Blockers from the runtime's trial capture, or None when this runtime has none."""
+    try:
+        from piecewise.runtime import trial_capture
+    except (ImportError, AttributeError):
+        logger.debug("piecewise.runtime.trial_capture is not available: skipping the trial capture")
+        return None
+    return list(trial_capture(model, args, kwargs))
+
+
+def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
+    """Check whether ``model(*args, **kwargs)`` can be captured; list every blocker with its fix.
+
+    Runs the model once eagerly, then traces its forward with Dynamo (the model runs again, partly
+    eagerly, while being traced), then tries a CUDA-graph capture when the model is on CUDA. Dynamo's
+    compiled-frame caches are reset along the way. Raises RuntimeError if the eager run itself fails.
+    """
+    forward = _forward_of(model)
+    with torch.no_grad():
+        try:
+            model(*args, **kwargs)
+        except Exception as exc:
+            raise RuntimeError(
+                f"the model fails when run eagerly ({type(exc).__name__}: {exc}); the doctor checks capture of "
+                f"a working model: fix the eager error first, or check the example inputs"
+            ) from exc
+        blockers = find_blockers(forward, args, kwargs)
+        trial = None
+        if _on_cuda(model):
+            trial = _trial_capture(model, args, kwargs)
+            blockers.extend(trial or [])
+    return DoctorReport(blockers=blockers, trial_capture=trial is not None)
