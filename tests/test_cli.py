@@ -1,0 +1,85 @@
+"""``piecewise doctor TARGET``: exit codes 0 / 1 / 2 and what the user reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from piecewise.cli import main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TARGETS = os.path.join(HERE, "fixtures", "doctor_targets.py")
+SRC = os.path.join(os.path.dirname(HERE), "src")
+
+
+def target(factory: str) -> str:
+    return f"{TARGETS}:{factory}"
+
+
+def test_clean_model_exits_0(capsys: pytest.CaptureFixture) -> None:
+    assert main(["doctor", target("clean_model")]) == 0
+    assert "capture-safe" in capsys.readouterr().out
+
+
+def test_three_element_factory_result_is_accepted(capsys: pytest.CaptureFixture) -> None:
+    assert main(["doctor", target("clean_model_with_kwargs")]) == 0
+
+
+def test_blocked_model_exits_1_with_the_report(capsys: pytest.CaptureFixture) -> None:
+    assert main(["doctor", target("jit_model")]) == 1
+    out = capsys.readouterr().out
+    assert "jit_subprocess" in out
+    assert "get_cuda_version" in out
+    assert "piecewise.wrap_opaque(fakejit.fp4_quantize" in out
+
+
+def test_json_output_is_pure_json(capsys: pytest.CaptureFixture) -> None:
+    assert main(["doctor", target("jit_model"), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False
+    assert [b["kind"] for b in data["blockers"]] == ["jit_subprocess"]
+    assert [f["function"] for f in data["blockers"][0]["chain"]][-1] == "get_cuda_version"
+
+
+@pytest.mark.parametrize(
+    "argv_target, expected",
+    [
+        (TARGETS, "is not PATH:FACTORY"),
+        (os.path.join(HERE, "fixtures", "no_such_file.py") + ":make", "does not exist"),
+        (target("no_such_factory"), "has no function 'no_such_factory'"),
+        (target("NOT_CALLABLE"), "is not a function"),
+        (target("not_a_pair"), "must return (model, args) or (model, args, kwargs)"),
+        (target("args_not_a_tuple"), "wrap the inputs in a tuple"),
+        (target("bad-name"), "is not a Python identifier"),
+    ],
+    ids=["no-factory", "missing-file", "missing-factory", "not-callable", "wrong-result", "args-not-tuple",
+         "bad-name"],
+)
+def test_usage_errors_exit_2_and_say_what_was_wrong(
+    argv_target: str, expected: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["doctor", argv_target]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("piecewise doctor: error: ")
+    assert expected in captured.err
+
+
+def test_missing_subcommand_and_unknown_options_exit_2(capsys: pytest.CaptureFixture) -> None:
+    assert main([]) == 2
+    assert main(["doctor", target("clean_model"), "--no-such-option"]) == 2
+    assert "usage: piecewise" in capsys.readouterr().err
+
+
+def test_console_entry_runs_as_a_process() -> None:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(
+        [sys.executable, "-m", "piecewise.cli", "doctor", target("jit_model")],
+        capture_output=True, text=True, env=env, cwd=HERE, timeout=120,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "jit_subprocess" in result.stdout

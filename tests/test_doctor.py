@@ -1,0 +1,247 @@
+"""The doctor and capture blockers, on CPU, against tiny fixture models with one blocker each."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+if FIXTURES not in sys.path:
+    sys.path.insert(0, FIXTURES)
+
+import blocker_models as bm  # noqa: E402
+import fakejit  # noqa: E402
+import fakejit.quant  # noqa: E402
+
+from piecewise.diagnostics import (  # noqa: E402
+    FIXES,
+    Blocker,
+    CaptureBlockedError,
+    DoctorReport,
+    Frame,
+    blockers_from_exception,
+    doctor,
+    find_blockers,
+)
+doctor_module = importlib.import_module("piecewise.diagnostics.doctor")  # the package's `doctor` is the function
+
+MODELS_FILE = os.path.realpath(bm.__file__)
+ENV_FILE = os.path.realpath(os.path.join(FIXTURES, "fakejit", "env.py"))
+
+
+def marked_line(tag: str, path: str = MODELS_FILE, marker: str = "# blocker: ") -> int:
+    """Line number of the line carrying ``marker + tag`` (exactly one must exist)."""
+    with open(path) as source:
+        hits = [number for number, line in enumerate(source, start=1) if line.rstrip().endswith(marker + tag)]
+    assert len(hits) == 1, f"expected one line marked {marker + tag!r} in {path}, found {hits}"
+    return hits[0]
+
+
+def real(path: str) -> str:
+    return os.path.realpath(path)
+
+
+@pytest.fixture(scope="module")
+def jit_report() -> DoctorReport:
+    return doctor(bm.JitModel(), bm.example_input())
+
+
+def test_jit_blocker_chain_runs_from_forward_to_the_subprocess_line(jit_report: DoctorReport) -> None:
+    assert not jit_report.ok
+    assert [b.kind for b in jit_report.blockers] == ["jit_subprocess"]
+    chain = jit_report.blockers[0].chain
+    assert [frame.function for frame in chain] == [
+        "forward", "fp4_quantize", "get_fp4_module", "is_cuda_version_at_least", "get_cuda_version"
+    ]
+    assert [os.path.basename(frame.file) for frame in chain] == [
+        "blocker_models.py", "quant.py", "quant.py", "env.py", "env.py"
+    ]
+    assert (real(chain[0].file), chain[0].line) == (MODELS_FILE, marked_line("jit_subprocess"))
+    innermost = chain[-1]
+    assert (real(innermost.file), innermost.line) == (ENV_FILE, marked_line("subprocess", ENV_FILE, "# fakejit: "))
+    assert "subprocess.check_output" in innermost.code
+    assert not any("torch" + os.sep in frame.file or frame.file.endswith("subprocess.py") for frame in chain)
+
+
+def test_jit_fix_names_the_library_entry_point_and_wrap_opaque(jit_report: DoctorReport) -> None:
+    blocker = jit_report.blockers[0]
+    assert "piecewise.wrap_opaque(fakejit.fp4_quantize, fake=" in blocker.fix
+    assert "lambda x, global_scale" in blocker.fix
+    assert "subprocess.check_output" in blocker.message
+
+
+def test_wrapped_library_call_is_capture_safe_and_never_traced_into() -> None:
+    model = bm.WrappedJitModel()
+    report = doctor(model, bm.example_input())
+    assert report.ok, str(report)
+
+    # The version check must not run while Dynamo traces: count checks at the moment the backend gets the graph.
+    fakejit.quant.get_fp4_module.cache_clear()
+    fakejit.reset_version_checks()
+    checks_at_compile = []
+
+    def backend(graph_module: torch.fx.GraphModule, example_inputs: list):
+        checks_at_compile.append(fakejit.version_checks())
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, fullgraph=True, backend=backend)(bm.example_input())
+    assert checks_at_compile == [0]
+    assert fakejit.version_checks() == 1  # the opaque op's body ran once, for real, after tracing
+
+
+CASES = [
+    (bm.ItemModel, "host_sync", "host_sync/item"),
+    (bm.CpuCopyModel, "host_sync", "host_sync/cpu"),
+    (bm.BranchModel, "host_sync", "host_sync/branch"),
+    (bm.PrintTensorModel, "host_sync", "host_sync/print"),
+    (bm.NonzeroModel, "data_dependent_shape", "data_dependent_shape/nonzero"),
+    (bm.MaskModel, "data_dependent_shape", "data_dependent_shape/mask"),
+    (bm.CompilerDisabledModel, "compiler_disabled", "compiler_disabled"),
+    (bm.PythonRngModel, "python_rng", "python_rng/random"),
+    (bm.TracedRngModel, "python_rng", "python_rng/uniform"),
+    (bm.LoggingModel, "logging", "logging/logger"),
+    (bm.PrintModel, "logging", "logging/print"),
+    (bm.ContextManagerModel, "unsupported_context_manager", "unsupported_context_manager"),
+    (bm.TimingModel, "unsupported_builtin", "unsupported_builtin"),
+]
+
+
+@pytest.mark.parametrize("model_class, kind, tag", CASES, ids=[case[2] for case in CASES])
+def test_each_kind_is_found_at_the_marked_line(model_class: type, kind: str, tag: str) -> None:
+    report = doctor(model_class(), bm.example_input())
+    assert [(b.kind, real(b.location.file), b.location.line) for b in report.blockers] == [
+        (kind, MODELS_FILE, marked_line(tag))
+    ], str(report)
+    blocker = report.blockers[0]
+    assert blocker.location.function == "forward"
+    assert blocker.fix == FIXES[kind]
+    assert blocker.message
+
+
+def test_compiler_disabled_message_names_the_function() -> None:
+    report = doctor(bm.CompilerDisabledModel(), bm.example_input())
+    assert "_eager_norm" in report.blockers[0].message
+
+
+def test_every_blocker_of_one_forward_is_listed_in_order() -> None:
+    report = doctor(bm.MultiBlockerModel(), bm.example_input())
+    found = [(b.kind, b.location.line) for b in report.blockers]
+    assert found == [
+        ("logging", marked_line("multi/logging")),
+        ("host_sync", marked_line("multi/host_sync")),
+        ("data_dependent_shape", marked_line("multi/data_dependent_shape")),
+    ]
+
+
+def test_clean_model_is_capture_safe() -> None:
+    report = doctor(bm.CleanModel(), bm.example_input())
+    assert report.ok and report.blockers == []
+    assert "capture-safe" in str(report)
+
+
+def test_to_json_round_trips_with_documented_keys() -> None:
+    report = doctor(bm.MultiBlockerModel(), bm.example_input())
+    data = json.loads(report.to_json())
+    assert data["ok"] is False
+    assert data["torch_version"] == torch.__version__
+    assert [entry["kind"] for entry in data["blockers"]] == [b.kind for b in report.blockers]
+    for entry, blocker in zip(data["blockers"], report.blockers):
+        assert set(entry) == {"kind", "message", "chain", "fix"}
+        assert entry["fix"] == blocker.fix and entry["message"] == blocker.message
+        for frame_data, frame in zip(entry["chain"], blocker.chain, strict=True):
+            assert frame_data == {"file": frame.file, "line": frame.line, "function": frame.function,
+                                  "code": frame.code}
+    assert json.loads(doctor(bm.CleanModel(), bm.example_input()).to_json())["ok"] is True
+
+
+def test_str_report_shows_each_kind_frame_and_fix() -> None:
+    report = doctor(bm.MultiBlockerModel(), bm.example_input())
+    text = str(report)
+    assert "3 capture blocker(s)" in text
+    for blocker in report.blockers:
+        assert blocker.kind in text
+        assert f"blocker_models.py:{blocker.location.line} in forward" in text
+    assert "capture-safe" not in text
+
+
+def _fullgraph_error(model: torch.nn.Module) -> Exception:
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as caught:
+        torch.compile(model, fullgraph=True, backend="eager")(bm.example_input())
+    torch._dynamo.reset()
+    return caught.value
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_capture_blocked_error_message_has_kind_chain_and_fix() -> None:
+    model = bm.JitModel()
+    blockers = blockers_from_exception(_fullgraph_error(model))
+    assert [b.kind for b in blockers] == ["jit_subprocess"]
+    assert [f.function for f in blockers[0].chain][-1] == "get_cuda_version"
+    error = CaptureBlockedError(blockers)
+    assert isinstance(error, RuntimeError) and error.blockers == blockers
+    message = str(error)
+    assert "jit_subprocess" in message and blockers[0].message in message
+    for frame in blockers[0].chain:
+        assert f"{frame.file}:{frame.line} in {frame.function}" in message
+    assert "piecewise.wrap_opaque(fakejit.fp4_quantize" in message
+
+
+def test_blockers_from_exception_passes_capture_blocked_error_through() -> None:
+    blocker = Blocker("host_sync", "m", [Frame("f.py", 3, "forward", "x.item()")], FIXES["host_sync"])
+    assert blockers_from_exception(CaptureBlockedError([blocker])) == [blocker]
+    assert str(blocker.chain[0]) == "f.py:3 in forward"
+
+
+def test_capture_illegal_is_reserved_for_the_runtime() -> None:
+    assert "split=True" in FIXES["capture_illegal"]
+
+
+def test_find_blockers_leaves_dynamo_usable_for_a_later_compile() -> None:
+    model = bm.ItemModel()
+    x = bm.example_input()
+    assert find_blockers(model.forward, (x,))
+    graphs = []
+
+    def backend(graph_module: torch.fx.GraphModule, example_inputs: list):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch.compile(model.forward, fullgraph=False, backend=backend)(x)
+    assert len(graphs) == 2  # split at the .item() break, both halves reach our backend
+    torch._dynamo.reset()
+
+
+def test_eager_failure_is_reported_as_such() -> None:
+    with pytest.raises(RuntimeError, match="fails when run eagerly"):
+        doctor(bm.CleanModel(), torch.randn(2, 3))
+
+
+def test_trial_capture_hook_runs_for_cuda_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    illegal = Blocker("capture_illegal", "op synchronises", [], FIXES["capture_illegal"])
+
+    def trial_capture(model, args, kwargs):
+        calls.append((model, args, kwargs))
+        return [illegal]
+
+    monkeypatch.setitem(sys.modules, "piecewise.runtime", types.SimpleNamespace(trial_capture=trial_capture))
+    monkeypatch.setattr(doctor_module, "_on_cuda", lambda model: True)
+    model = bm.CleanModel()
+    report = doctor(model, bm.example_input())
+    assert len(calls) == 1 and calls[0][0] is model
+    assert report.blockers == [illegal] and report.trial_capture
+
+
+def test_missing_trial_capture_hook_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "piecewise.runtime", types.SimpleNamespace())
+    monkeypatch.setattr(doctor_module, "_on_cuda", lambda model: True)
+    report = doctor(bm.CleanModel(), bm.example_input())
+    assert report.ok and not report.trial_capture
