@@ -104,8 +104,8 @@ class CaptureBlockedError(RuntimeError):
     def __init__(self, blockers: list[Blocker], headline: str | None = None) -> None:
         self.blockers = list(blockers)
         head = headline or (
-            f"the forward cannot be captured into CUDA graphs: {len(self.blockers)} blocker(s). "
-            f"Run `piecewise doctor` (or piecewise.doctor(model, *args)) to list every one."
+            f"the forward cannot be captured into CUDA graphs: {len(self.blockers)} blocker(s), each with its "
+            f"call chain and fix below (piecewise.doctor(model, *args) checks a model the same way)."
         )
         super().__init__("\n\n".join([head, *(blocker.format() for blocker in self.blockers)]))
 
