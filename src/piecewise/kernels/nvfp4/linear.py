@@ -1,0 +1,157 @@
+"""``NVFP4Linear``: a linear layer with an NVFP4 weight and bf16/fp16 activations (W4A16)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .functional import dequantize, global_scale_for, linear, quantize
+from .reference import BLOCK
+
+
+def _one_scale(value: torch.Tensor | float, name: str) -> torch.Tensor:
+    tensor = torch.as_tensor(value).detach()
+    if tensor.numel() != 1 or not tensor.is_floating_point():
+        raise ValueError(f"{name} must be a one-element float tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    return tensor.reshape(()).to(torch.float32)
+
+
+class NVFP4Linear(nn.Module):
+    """``y = x @ W.T + bias`` with W stored as NVFP4, computed as W4A16 (weights dequantized inside the GEMM).
+
+    Buffers follow the ModelOpt checkpoint names: ``weight`` packed uint8 [N, K/2] (low nibble first),
+    ``weight_scale`` float8_e4m3fn [N, K/16], ``weight_scale_2`` the float32 *decode* scale amax/2688,
+    ``input_scale`` (kept when a checkpoint has one; unused, activations stay 16-bit) and ``bias``.
+    Build one with ``from_linear`` or ``from_checkpoint``; move it with ``.to(device)``. On CUDA the forward
+    is one opaque Triton op (captures in piecewise graphs); on CPU it dequantizes and runs a matmul.
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_scale_2: torch.Tensor
+    input_scale: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if in_features % BLOCK or in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                f"NVFP4Linear needs in_features a positive multiple of {BLOCK} (one scale per {BLOCK} inputs) and "
+                f"out_features > 0, got in_features={in_features}, out_features={out_features}"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer(
+            "weight_scale",
+            torch.zeros(out_features, in_features // BLOCK, dtype=torch.float8_e4m3fn, device=device),
+        )
+        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, module: nn.Linear) -> "NVFP4Linear":
+        """Quantize an ``nn.Linear`` (on its device; CUDA uses the Triton kernel) with gs = 448·6/amax(W)."""
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"NVFP4Linear.from_linear expects an nn.Linear, got {type(module).__name__}")
+        weight = module.weight.detach()
+        dtype = weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        layer = cls(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype,
+                    device=weight.device)
+        encode_scale = global_scale_for(weight)
+        packed, scales = quantize(weight, encode_scale)
+        layer.weight.copy_(packed)
+        layer.weight_scale.copy_(scales)
+        layer.weight_scale_2.copy_(torch.reciprocal(encode_scale))
+        if module.bias is not None:
+            layer.bias.copy_(module.bias.detach())
+        return layer
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor | float,
+        input_scale: torch.Tensor | float | None = None,
+        bias: torch.Tensor | None = None,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        check_scale: bool = True,
+    ) -> "NVFP4Linear":
+        """Build from ModelOpt-style tensors (the layer lives on ``weight``'s device).
+
+        ``weight`` uint8 [N, K/2]; ``weight_scale`` float8_e4m3fn [N, K/16] in the linear layout (use
+        ``unswizzle_scales`` on a swizzled one); ``weight_scale_2`` the *decode* scale amax/2688.
+
+        Mixing up the decode scale with the encode scale 448·6/amax is the commonest NVFP4 bug, and it is
+        silent: outputs come out wrong by a factor of about (2688/amax)². A decode scale above 1 means a
+        weight amax above 2688, which real weights never have, while an encode scale is almost always far
+        above 1 — so ``weight_scale_2 > 1`` raises ValueError. Pass ``check_scale=False`` if your weights
+        really are that large.
+        """
+        if weight.dtype != torch.uint8 or weight.dim() != 2:
+            raise ValueError(
+                f"weight must be packed FP4 as uint8 [N, K/2], got {weight.dtype} {tuple(weight.shape)}"
+                + (" (use weight.view(torch.uint8))" if weight.dtype == torch.int8 else "")
+            )
+        out_features, in_features = weight.shape[0], weight.shape[1] * 2
+        groups = in_features // BLOCK
+        if in_features % BLOCK:
+            raise ValueError(f"weight holds K={in_features} inputs per row; NVFP4 needs K a multiple of {BLOCK}")
+        if weight_scale.dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"weight_scale must be torch.float8_e4m3fn, got {weight_scale.dtype}"
+                + (" (use weight_scale.view(torch.float8_e4m3fn))" if weight_scale.dtype == torch.uint8 else "")
+            )
+        if tuple(weight_scale.shape) != (out_features, groups):
+            raise ValueError(
+                f"weight_scale must be [{out_features}, {groups}] (one per 16 inputs, linear layout), got "
+                f"{tuple(weight_scale.shape)}; a swizzled 128x4 scale tensor converts with "
+                f"unswizzle_scales(weight_scale, {out_features}, {groups})"
+            )
+        decode_scale = _one_scale(weight_scale_2, "weight_scale_2")
+        value = float(decode_scale)
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"weight_scale_2 must be positive and finite, got {value}")
+        if check_scale and value > 1.0:
+            raise ValueError(
+                f"weight_scale_2={value:.6g} looks like an encode scale (448·6/amax, here amax would be "
+                f"{2688 / value:.4g}): checkpoints store the decode scale amax/2688. Pass 1/weight_scale_2 "
+                f"({1 / value:.6g}), or check_scale=False if the weight's amax really exceeds 2688"
+            )
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias must have shape [{out_features}], got {tuple(bias.shape)}")
+        device = weight.device
+        layer = cls(in_features, out_features, bias=bias is not None, dtype=dtype, device=device)
+        layer.weight.copy_(weight)
+        layer.weight_scale.copy_(weight_scale.to(device))
+        layer.weight_scale_2.copy_(decode_scale.to(device))
+        if input_scale is not None:
+            layer.input_scale = _one_scale(input_scale, "input_scale").to(device)
+        if bias is not None:
+            layer.bias.copy_(bias.detach().to(device=device, dtype=dtype))
+        return layer
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The weight as a dense [N, K] tensor (for checks and debugging)."""
+        return dequantize(self.weight, self.weight_scale, torch.reciprocal(self.weight_scale_2), dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4Linear expects inputs [..., {self.in_features}], got {tuple(x.shape)}")
+        return linear(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
