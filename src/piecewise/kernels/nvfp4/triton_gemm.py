@@ -57,6 +57,9 @@ _CONFIG_TABLE: tuple[tuple[int, GemmConfig], ...] = (
 )
 _MAX_SPLIT_K = 16
 _MIN_K_STEPS_PER_SPLIT = 4
+# Programs per SM to aim for when splitting K: the M ≤ 16 config fits ~4 per SM (124 registers, 29 KB of shared
+# memory at 4 stages), so 4 keeps every SM streaming weights with its pipeline full.
+_PROGRAMS_PER_SM = 4
 
 
 @functools.cache
@@ -65,13 +68,14 @@ def sm_count(device_index: int) -> int:
 
 
 def pick_config(rows: int, out_features: int, in_features: int, sms: int) -> GemmConfig:
-    """Configuration for x [rows, K] × W [N, K]: the table row for ``rows``, split-K when tiles < 2 waves."""
+    """Configuration for x [rows, K] × W [N, K]: the table row for ``rows``, split-K when tiles are too few."""
     base = next(config for bound, config in _CONFIG_TABLE if rows <= bound)
     tiles = triton.cdiv(rows, base.block_m) * triton.cdiv(out_features, base.block_n)
     k_steps = triton.cdiv(in_features, base.block_k)
     split = 1
-    if tiles < 2 * sms:
-        split = min(triton.cdiv(2 * sms, tiles), _MAX_SPLIT_K, max(1, k_steps // _MIN_K_STEPS_PER_SPLIT))
+    target = _PROGRAMS_PER_SM * sms
+    if tiles < target:
+        split = min(triton.cdiv(target, tiles), _MAX_SPLIT_K, max(1, k_steps // _MIN_K_STEPS_PER_SPLIT))
     return GemmConfig(
         block_m=base.block_m, block_n=base.block_n, block_k=base.block_k,
         num_warps=base.num_warps, num_stages=base.num_stages, split_k=max(split, 1),
