@@ -18,6 +18,8 @@ import torch
 
 import piecewise
 from piecewise.models.decode import L16, DecodeLlama
+from piecewise.models.llama import rotary_tables
+from piecewise.opaque import opaque_op_info
 
 BATCHES = (1, 8, 32, 128)
 
@@ -72,7 +74,8 @@ def hand_piecewise(model, ids, positions, cache):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             x = model.embed(ids)
-            qkv = layers[0].pre_attention(x, positions)
+            rotary = rotary_tables(positions, L16.head_dim, L16.rope_theta)
+            qkv = layers[0].pre_attention(x, rotary)
         graphs.append(graph)
         qkv_out.append(qkv)
         resid.append(x)
@@ -83,7 +86,7 @@ def hand_piecewise(model, ids, positions, cache):
             with torch.cuda.graph(graph, pool=pool):
                 x = layer.post_attention(resid[i], attended)
                 if i + 1 < len(layers):
-                    qkv = layers[i + 1].pre_attention(x, positions)
+                    qkv = layers[i + 1].pre_attention(x, rotary)
                 else:
                     out = model.lm_head(model.norm(x))
             graphs.append(graph)
@@ -91,11 +94,13 @@ def hand_piecewise(model, ids, positions, cache):
             resid.append(x)
     torch.cuda.current_stream().wait_stream(stream)
 
+    attend = opaque_op_info("piecewise_examples::decode_attention").impl  # the op's body, no dispatcher
+
     def step():
         graphs[0].replay()
-        for i, layer in enumerate(layers):
+        for i in range(len(layers)):
             q, k, v = qkv_out[i]
-            attn_in[i].copy_(layer.attend(q, k, v, positions, cache, i))
+            attn_in[i].copy_(attend(q, k, v, positions, cache, i))
             graphs[i + 1].replay()
 
     return step, out

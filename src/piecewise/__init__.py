@@ -6,10 +6,15 @@ code), compile each piece, capture each piece as a CUDA graph per token count, r
 
 from .config import CaptureConfig
 from .context import ForwardContext, context
+from .diagnostics import Blocker, CaptureBlockedError, DoctorReport, doctor
 from .opaque import opaque_op, wrap_opaque
 from .runtime import PiecewiseModel, compile
 
 __all__ = [
+    "Blocker",
+    "CaptureBlockedError",
+    "DoctorReport",
+    "doctor",
     "CaptureConfig",
     "ForwardContext",
     "PiecewiseModel",

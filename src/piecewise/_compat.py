@@ -121,3 +121,54 @@ def graph_pool_bytes(pool: Any) -> int | None:
         if pool_id is not None and tuple(pool_id) == wanted:
             total += int(segment.get("total_size", 0))
     return total
+
+
+_MODULE_STATE_GUARDS = ("TENSOR_MATCH", "EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "ID_MATCH")
+
+
+def drop_shape_guards(entries: list[Any]) -> list[bool]:
+    """Dynamo guard filter, applied to the one trace.
+
+    Dropped: the shape-env guard (one trace serves every token count; conditions the forward itself
+    evaluates are checked against every capture size when the graph is built, see
+    ``token_guard_failures``, while inductor's own assumptions such as ``2 <= s0`` don't change results),
+    and guards on the module's own tensors and hook dicts: captured graphs read parameters by address
+    anyway, and checking ~10 guards per layer on every call costs more than a layer's launches.
+    Kept: guards on forward arguments, constants, types and global state.
+    """
+    keep = []
+    for entry in entries:
+        guard_type = getattr(entry, "guard_type", None)
+        name = getattr(entry, "name", "")
+        module_state = guard_type in _MODULE_STATE_GUARDS and (name == "self" or name.startswith(("self.", "self[", "L['self']")))
+        keep.append(guard_type != "SHAPE_ENV" and not module_state)
+    return keep
+
+
+def compile_options() -> dict[str, Any]:
+    return {"guard_filter_fn": drop_shape_guards}
+
+
+def token_guard_failures(example_inputs: list[Any], sizes: list[int]) -> list[tuple[str, str, int]]:
+    """Shape conditions recorded while tracing that some capture size violates: (condition, where, size)."""
+    fake_mode = fake_mode_of(example_inputs)
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        return []
+    failures = []
+    for guard in getattr(shape_env, "guards", []):
+        expr = guard.expr
+        symbols = list(getattr(expr, "free_symbols", ()))
+        if not symbols:
+            continue
+        for size in sizes:
+            try:
+                holds = bool(expr.subs({symbol: size for symbol in symbols}))
+            except TypeError:
+                continue
+            if not holds:
+                sloc = getattr(guard, "sloc", None)
+                where = getattr(sloc, "maybe_user_loc", None) or str(sloc or "unknown location")
+                failures.append((str(expr), where, size))
+                break
+    return failures

@@ -21,6 +21,7 @@ import torch
 
 from . import _compat
 from .compilers import PieceCompiler
+from .opaque import op_name, opaque_op_info
 from .split import split_graph
 
 logger = logging.getLogger(__name__)
@@ -83,11 +84,10 @@ class CaptureFailed(RuntimeError):
         self.node = node
 
 
-class PieceRunner(torch.nn.Module):
+class PieceRunner:
     """One compiled piece: runs it, captures it per size, replays it."""
 
     def __init__(self, name: str, graph: torch.fx.GraphModule, compiled: Callable, state: CaptureState, owner):
-        super().__init__()
         self.name = name
         self.graph_module = graph
         self.compiled = compiled
@@ -96,7 +96,7 @@ class PieceRunner(torch.nn.Module):
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Any] = {}
 
-    def forward(self, *args):
+    def __call__(self, *args):
         state = self.state
         phase = state.phase
         if phase == REPLAY:
@@ -191,11 +191,10 @@ def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple, pool: An
     return None
 
 
-class SplitOpRunner(torch.nn.Module):
+class SplitOpRunner:
     """One splitting op: runs eagerly on the real rows, writes into static buffers the next piece reads."""
 
     def __init__(self, name: str, module: torch.fx.GraphModule, op_name: str, state: CaptureState):
-        super().__init__()
         self.name = name
         self.module = module
         self.op_name = op_name
@@ -207,16 +206,47 @@ class SplitOpRunner(torch.nn.Module):
         self.token_outputs = [_is_token_tensor(v) for v in flat]
         self.buffers: list[torch.Tensor | None] = [None] * len(flat)
         self.dirty_rows = [0] * len(flat)
-        self.views: dict[int, list[Any]] = {}
+        self.call = self._direct_call(module) or module.forward
 
-    def forward(self, *args):
+    @staticmethod
+    def _direct_call(module: torch.fx.GraphModule) -> Callable | None:
+        """For piecewise's own opaque ops: call the Python body directly (the partition is one op call),
+        skipping the dispatcher, which costs more than a small op itself."""
+        nodes = [n for n in module.graph.nodes if n.op not in ("placeholder", "output")]
+        if len(nodes) != 1 or nodes[0].op != "call_function":
+            return None
+        info = opaque_op_info(op_name(nodes[0].target) or "")
+        if info is None or info.impl is None:
+            return None
+        output = next(n for n in module.graph.nodes if n.op == "output")
+        if output.args[0] is not nodes[0]:
+            return None
+        placeholders = {n: i for i, n in enumerate(n for n in module.graph.nodes if n.op == "placeholder")}
+        node = nodes[0]
+        schema_args = node.target._schema.arguments if hasattr(node.target, "_schema") else None
+        positional = list(node.args)
+        keyword = dict(node.kwargs)
+        if schema_args is not None:  # pass everything positionally, in schema order, defaults filled
+            values = positional + [keyword.pop(a.name, a.default_value) for a in schema_args[len(positional) :]]
+            positional, keyword = values, {}
+        getters = [(placeholders[a], None) if isinstance(a, torch.fx.Node) else (None, a) for a in positional]
+        if keyword or any(isinstance(a, (list, tuple, dict)) for a in positional):
+            return None
+        impl = info.impl
+
+        def call(*args):
+            return impl(*[args[i] if i is not None else const for i, const in getters])
+
+        return call
+
+    def __call__(self, *args):
         state = self.state
         state.splitting_op_calls += 1
         if state.phase == DIRECT:
-            return self.module(*args)
+            return self.call(*args)
         rows = state.num_tokens
         call_args = [a[:rows] if token else a for a, token in zip(args, self.token_inputs)]
-        result = self.module(*call_args)
+        result = self.call(*call_args)
         flat = [result] if self.single_output else list(result)
         staged = [self._stage(i, value, rows, state.size) for i, value in enumerate(flat)]
         return staged[0] if self.single_output else tuple(staged)
@@ -271,7 +301,9 @@ class GraphRunner:
                 compiled = compiler.compile(partition.module, _placeholder_values(partition.module))
                 runner = PieceRunner(partition.name, partition.module, compiled, state, self)
                 self.pieces.append(runner)
-            setattr(self.split_graph, partition.name, runner)
+            # A plain attribute, not a submodule: the split graph's code calls it without nn.Module overhead.
+            delattr(self.split_graph, partition.name)
+            self.split_graph.__dict__[partition.name] = runner
         self.compile_seconds = time.perf_counter() - started
         inputs = _placeholder_values(graph)
         self.token_inputs = [_is_token_tensor(v) for v in inputs]

@@ -38,6 +38,8 @@ class OpaqueOpInfo:
     """How often the body ran (outside tracing: the body never runs while Dynamo traces)."""
     seen: set[tuple[str, str]] = field(default_factory=set)
     """(dtype, device) pairs of the tensor arguments the body ran with: the prewarmed variants."""
+    impl: Callable | None = None
+    """The Python body; the runtime calls it directly between pieces, skipping dispatcher overhead."""
 
 
 def splitting_op_names() -> frozenset[str]:
@@ -139,6 +141,7 @@ def _register(
         _record_call(info, args, kwargs)
         return impl(*args, **kwargs)
 
+    info.impl = body
     body.__signature__ = inspect.signature(impl)  # custom_op infers the schema from this signature
     body.__annotations__ = getattr(impl, "__annotations__", {})
     mutates = tuple(mutates_args) if not isinstance(mutates_args, str) else mutates_args

@@ -343,6 +343,15 @@ class PiecewiseModel:
     # --- tracing --------------------------------------------------------------------------------------
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
+        failures = _compat.token_guard_failures(example_inputs, self._sizes)
+        if failures:
+            condition, where, size = failures[0]
+            raise ValueError(
+                f"piecewise: the forward depends on the token count: it evaluates `{condition}` at {where}, "
+                f"which is false for capture size {size}. One trace serves every token count, so the forward "
+                f"must not branch on it: move the branch out of forward, or make that code a splitting op "
+                f"(piecewise.opaque_op(..., split=True))."
+            )
         splitting = frozenset(self.config.splitting_ops) if self.config.splitting_ops is not None else splitting_op_names()
         return GraphRunner(graph, self.state, self._compiler, splitting)
 

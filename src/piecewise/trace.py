@@ -27,7 +27,8 @@ class ForwardTracer:
         self.backend = backend
         self.strict = strict
         self.compiled = torch.compile(
-            _compat.fresh_method(model.forward), backend=backend, fullgraph=True, dynamic=False
+            _compat.fresh_method(model.forward), backend=backend, fullgraph=True, dynamic=False,
+            options=_compat.compile_options(),
         )
         self.graph_breaks = False
         self.blockers: list[Any] = []
@@ -61,6 +62,7 @@ class ForwardTracer:
         self.blockers = blockers
         self.graph_breaks = True
         self.compiled = torch.compile(
-            _compat.fresh_method(self.model.forward), backend=self.backend, fullgraph=False, dynamic=False
+            _compat.fresh_method(self.model.forward), backend=self.backend, fullgraph=False, dynamic=False,
+            options=_compat.compile_options(),
         )
         return self.compiled(*args, **kwargs)

@@ -34,12 +34,17 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding on [T, H, D] at ``positions`` [T]."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, D/2] for ``positions`` [T]; computed once per forward, shared by all layers."""
+    half = head_dim // 2
+    freqs = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
     angles = positions.float()[:, None] * freqs[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on [T, H, D]."""
+    half = x.shape[-1] // 2
     x1, x2 = x.float()[..., :half], x.float()[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -58,15 +63,15 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, hidden, bias=False)
 
-    def pre_attention(self, x: torch.Tensor, positions: torch.Tensor):
+    def pre_attention(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
         """Norm, QKV projection and rotary: [T, hidden] → q [T, Hq, D], k/v [T, Hkv, D]."""
         c = self.config
         tokens = x.shape[0]
         q, k, v = self.qkv(self.input_norm(x)).split(
             [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
         )
-        q = rotate(q.view(tokens, c.num_heads, c.head_dim), positions, c.rope_theta)
-        k = rotate(k.view(tokens, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+        q = rotate(q.view(tokens, c.num_heads, c.head_dim), *rotary)
+        k = rotate(k.view(tokens, c.num_kv_heads, c.head_dim), *rotary)
         return q, k, v.view(tokens, c.num_kv_heads, c.head_dim)
 
     def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -75,8 +80,8 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.pre_attention(x, positions)
+    def forward(self, x, positions, kv_cache, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q, k, v = self.pre_attention(x, rotary)
         return self.post_attention(x, self.attend(q, k, v, positions, kv_cache, self.index))
 
 
@@ -102,8 +107,9 @@ class TinyLlama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
+        rotary = rotary_tables(positions, self.config.head_dim, self.config.rope_theta)
         for layer in self.layers:
-            x = layer(x, positions, kv_cache)
+            x = layer(x, positions, kv_cache, rotary)
         return self.lm_head(self.norm(x))
 
 
