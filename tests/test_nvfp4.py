@@ -297,3 +297,23 @@ def test_cuda_ops_are_opaque_with_fakes_for_their_shapes():
     assert out.shape == (5, 48) and out.dtype == torch.bfloat16
     deq = ops.dequantize(weight, weight_scale, scale, torch.float16)
     assert deq.shape == (48, 64) and deq.dtype == torch.float16
+
+
+def test_nvfp4_linear_traces_in_piecewise_compile_on_cpu():
+    import piecewise
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(64, 128).to(torch.bfloat16)
+            self.down = NVFP4Linear.from_linear(torch.nn.Linear(128, 64).to(torch.bfloat16))
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.up(x)))
+
+    model = Block()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16), dynamic={"x": 0})
+    for tokens in (5, 3):
+        x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+        assert torch.equal(runner(x), model(x))
+    assert runner.stats["traces"] == 1 and runner.stats["graph_breaks"] == 0

@@ -1,0 +1,197 @@
+"""NVFP4 Triton kernels on CUDA: byte-exact with the reference, GEMM parity, capture in CUDA graphs."""
+
+import pytest
+import torch
+
+import piecewise
+from piecewise.kernels.nvfp4 import NVFP4Linear, dequantize, global_scale_for, linear, quantize
+from piecewise.kernels.nvfp4 import reference, swizzle_scales
+from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_config, sm_count, w4a16_linear
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 16), (3, 48), (8, 512), (127, 1040), (128, 4096), (300, 272), (1000, 512), (2049, 64)]
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).norm() / expected.float().norm())
+
+
+def tricky(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Gaussian rows of very different magnitudes, plus a zero row, exact grid values, ties and outliers."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=generator) * 10 ** (torch.rand(rows, 1, generator=generator) * 4 - 2)
+    if rows >= 4 and cols >= 16:
+        x[0] = 0.0
+        x[1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, -6])
+        x[2] *= 1e-4
+        x[3, ::7] = 1e3
+    return x.to(dtype)
+
+
+def assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    a, e = actual.cpu().view(torch.uint8), expected.cpu().view(torch.uint8)
+    assert a.shape == e.shape
+    mismatches = (a != e).nonzero()
+    assert mismatches.numel() == 0, f"{len(mismatches)} bytes differ, first at {mismatches[:5].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantize_is_byte_exact_with_the_reference(shape, dtype):
+    x_cpu = tricky(*shape, dtype, seed=shape[0] * 7 + shape[1])
+    x = x_cpu.cuda()
+    amax = float(x_cpu.float().abs().max())
+    # Usual scale, a saturating one (clamps at 448) and one that puts scales among E4M3 subnormals.
+    for scale in (float(global_scale_for(x_cpu)), 1e3 * 2688 / amax, 2688 / amax / 2**12):
+        gs = torch.tensor(scale, dtype=torch.float32)
+        expected_packed, expected_scales = reference.quantize_reference(x_cpu, gs)
+        for swizzle in (False, True):
+            packed, scales = quantize(x, gs.cuda(), swizzle=swizzle)
+            assert packed.is_cuda and scales.dtype == torch.float8_e4m3fn
+            assert_bytes_equal(packed, expected_packed)
+            assert_bytes_equal(scales, swizzle_scales(expected_scales) if swizzle else expected_scales)
+        # The reference run on CUDA tensors agrees too (it is what CPU-less users of the reference get).
+        cuda_packed, cuda_scales = reference.quantize_reference(x, gs.cuda())
+        assert_bytes_equal(cuda_packed, expected_packed)
+        assert_bytes_equal(cuda_scales, expected_scales)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dequantize_is_exact(shape, out_dtype):
+    x_cpu = tricky(*shape, torch.float32, seed=shape[1])
+    gs = global_scale_for(x_cpu)
+    packed, scales = reference.quantize_reference(x_cpu, gs)
+    expected = reference.dequantize_reference(packed, scales, gs, out_dtype)
+    out = dequantize(packed.cuda(), scales.cuda(), gs.cuda(), dtype=out_dtype)
+    assert out.dtype == out_dtype
+    assert_bytes_equal(out, expected)
+    swizzled = dequantize(packed.cuda(), swizzle_scales(scales).cuda(), gs.cuda(), dtype=out_dtype, swizzled=True)
+    assert_bytes_equal(swizzled, expected)
+
+
+def random_weight(out_features: int, in_features: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.02
+    gs = global_scale_for(weight)
+    packed, scales = reference.quantize_reference(weight, gs)
+    return packed.cuda(), scales.cuda(), torch.reciprocal(gs).cuda()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300, 1024])
+@pytest.mark.parametrize("out_features,in_features", [(256, 512), (4096, 4096), (1000, 1040), (384, 11008)])
+def test_gemm_matches_dequantize_then_matmul(rows, out_features, in_features):
+    packed, scales, decode = random_weight(out_features, in_features, seed=rows + in_features)
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(out_features, device="cuda", dtype=torch.bfloat16)
+    dense = dequantize(packed, scales, torch.reciprocal(decode), dtype=torch.float32)
+    for b in (None, bias):
+        expected = x.float() @ dense.T + (b.float() if b is not None else 0.0)
+        out = linear(x, packed, scales, decode, b)
+        assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+        assert rel_error(out, expected) <= 1e-2
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        GemmConfig(16, 64, 128, 4, 4, split_k=1),
+        GemmConfig(16, 64, 128, 4, 4, split_k=7),  # uneven split: the last split runs past K
+        GemmConfig(32, 32, 64, 4, 2, split_k=3),  # below wgmma's 64 rows: mma.sync path
+        GemmConfig(128, 128, 64, 8, 3, split_k=2),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemm_configs_and_fp16_activations(config, dtype):
+    packed, scales, decode = random_weight(520, 1040, seed=3)
+    x = torch.randn(37, 1040, device="cuda", dtype=dtype)
+    bias = torch.randn(520, device="cuda", dtype=dtype)
+    dense = dequantize(packed, scales, torch.reciprocal(decode), dtype=torch.float32)
+    out = w4a16_linear(x, packed, scales, decode, bias, config=config)
+    assert out.dtype == dtype
+    assert rel_error(out, x.float() @ dense.T + bias.float()) <= 1e-2
+
+
+def test_config_table_splits_k_for_decode_and_not_for_prefill():
+    sms = sm_count(torch.cuda.current_device())
+    assert pick_config(1, 4096, 4096, sms).split_k > 1
+    assert pick_config(4096, 4096, 4096, sms).split_k == 1
+
+
+def test_nvfp4_linear_from_linear_on_cuda_matches_cpu():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(1024, 768).to(torch.bfloat16)
+    on_cpu = NVFP4Linear.from_linear(dense)
+    on_gpu = NVFP4Linear.from_linear(dense.cuda())  # quantized by the Triton kernel
+    assert_bytes_equal(on_gpu.weight, on_cpu.weight)
+    assert_bytes_equal(on_gpu.weight_scale, on_cpu.weight_scale)
+    x = torch.randn(9, 1024, dtype=torch.bfloat16)
+    assert rel_error(on_gpu(x.cuda()), on_cpu(x)) <= 1e-2
+    assert rel_error(on_gpu(x.cuda()), dense(x.cuda())) < 0.13  # the format's error bound (tests/test_nvfp4.py)
+
+
+def test_fp32_activations_on_cuda_are_rejected_with_a_remedy():
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16)).cuda()
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        layer(torch.randn(2, 64, device="cuda"))
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_nvfp4_linear_in_a_cuda_graph_equals_eager(tokens):
+    torch.manual_seed(tokens)
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(2048, 1536).to(torch.bfloat16).cuda())
+    static_x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x)  # compiles the Triton kernels outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    for _ in range(3):
+        static_x.copy_(torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, layer(static_x))
+
+
+def test_quantize_captures_in_a_cuda_graph():
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    gs = global_scale_for(x)
+    expected = quantize(x, gs, swizzle=True)  # eager call: value checks, kernel compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        packed, scales = quantize(x, gs, swizzle=True)  # no host sync allowed here
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bytes_equal(packed, expected[0])
+    assert_bytes_equal(scales, expected[1])
+
+
+class MLP(torch.nn.Module):
+    """Linear → SiLU → NVFP4Linear → residual: a Linear-ish stack with one NVFP4 layer."""
+
+    def __init__(self, hidden: int = 512, inner: int = 1024):
+        super().__init__()
+        self.up = torch.nn.Linear(hidden, inner, dtype=torch.bfloat16, device="cuda")
+        self.down = NVFP4Linear.from_linear(torch.nn.Linear(inner, hidden, dtype=torch.bfloat16, device="cuda"))
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.up(x)))
+
+
+def test_nvfp4_linear_in_a_piecewise_model_equals_eager():
+    torch.manual_seed(0)
+    model = MLP()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=64), dynamic={"x": 0})
+    for tokens in (1, 3, 16, 40, 64):
+        x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+        replays = runner.stats["replays"]
+        out = runner(x)
+        # Padded token counts may pick another GEMM configuration (another summation order): not bitwise.
+        assert rel_error(out, model(x)) <= 1e-2, tokens
+        assert runner.stats["replays"] > replays, f"{tokens} tokens did not replay a graph"
+    assert runner.stats["graphs"] > 0
+    assert runner.stats["traces"] == 1
