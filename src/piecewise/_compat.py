@@ -17,6 +17,8 @@ TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")
 
 # Dynamo's "graph break under fullgraph" exception.
 Unsupported = torch._dynamo.exc.Unsupported
+# Dynamo wraps anything a backend raises in this; ``inner_exception`` holds the original.
+BackendCompilerFailed = torch._dynamo.exc.BackendCompilerFailed
 
 try:  # raised when a dimension marked dynamic gets specialised during tracing
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError

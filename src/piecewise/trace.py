@@ -35,13 +35,19 @@ class ForwardTracer:
         self.first_trace_done = False
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        if self.first_trace_done:
-            return self.compiled(*args, **kwargs)
-        with _compat.tracing_patches():
-            try:
-                output = self.compiled(*args, **kwargs)
-            except _compat.Unsupported as exc:
-                output = self._trace_with_breaks(exc, args, kwargs)
+        try:
+            if self.first_trace_done:
+                return self.compiled(*args, **kwargs)
+            with _compat.tracing_patches():
+                try:
+                    output = self.compiled(*args, **kwargs)
+                except _compat.Unsupported as exc:
+                    output = self._trace_with_breaks(exc, args, kwargs)
+        except _compat.BackendCompilerFailed as exc:
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, ValueError):  # piecewise's own message for the user: no Dynamo wrapping
+                raise inner from None
+            raise
         self.first_trace_done = True
         return output
 

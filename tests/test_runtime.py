@@ -1,0 +1,220 @@
+"""The piecewise pipeline on CPU: same trace, split, padding and buffers as on CUDA, pieces run without graphs."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import piecewise
+from piecewise.models import example
+
+
+def rel_error(out, ref):
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def run_pair(model, runner, tokens, cache, start=0):
+    ids = torch.randint(0, model.config.vocab_size, (tokens,))
+    positions = torch.arange(tokens) + start
+    reference_cache = cache.clone()
+    ref = model(ids, positions, reference_cache)
+    out = runner(ids, positions, cache)
+    return out, ref, cache, reference_cache
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_example_equals_eager_for_every_token_count(layers):
+    model, (ids, positions, cache) = example(tokens=5, num_layers=layers)
+    config = piecewise.CaptureConfig(max_tokens=24)
+    runner = piecewise.compile(model, config)
+    with torch.no_grad():
+        for tokens in range(1, config.max_tokens + 4):
+            out, ref, cache, reference_cache = run_pair(model, runner, tokens, cache, start=tokens % 5)
+            assert out.shape == ref.shape
+            assert rel_error(out, ref) <= 1e-5, tokens
+            assert rel_error(cache, reference_cache) <= 1e-5, tokens
+    stats = runner.stats
+    assert stats["pieces"] == layers + 1
+    assert stats["splitting_op_calls"] == layers
+    assert stats["traces"] == 1
+    assert stats["cuda_graphs"] is False and stats["graphs"] == 0 and stats["replays"] == 0
+    assert stats["fallback_calls"] == 3
+    assert stats["prewarm_seconds"] > 0
+    assert runner.token_arguments == {"input_ids": 0, "positions": 0}
+
+
+def test_zero_tokens_is_an_error():
+    model, (ids, positions, cache) = example(tokens=3)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    runner(ids, positions, cache)
+    with pytest.raises(ValueError, match="0 tokens"):
+        runner(ids[:0], positions[:0], cache)
+
+
+def test_moved_static_buffer_is_named():
+    model, (ids, positions, cache) = example(tokens=3)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    runner(ids, positions, cache)
+    with pytest.raises(ValueError, match="static argument 'kv_cache'.*copy_"):
+        runner(ids, positions, cache.clone())
+
+
+def test_token_arguments_must_agree():
+    model, (ids, positions, cache) = example(tokens=3)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8), dynamic={"input_ids": 0, "positions": 0})
+    with pytest.raises(ValueError, match="'positions' has 2 tokens"):
+        runner(ids, positions[:2], cache)
+
+
+def test_dynamic_must_name_forward_arguments():
+    model, _ = example(tokens=3)
+    with pytest.raises(ValueError, match="'tokens'.*input_ids"):
+        piecewise.compile(model, dynamic={"tokens": 0})
+
+
+def test_outputs_are_not_overwritten_by_the_next_call():
+    model, (ids, positions, cache) = example(tokens=3)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    first = runner(ids, positions, cache)
+    kept = first.clone()
+    runner(ids.flip(0), positions, cache)
+    assert torch.equal(first, kept)
+
+
+class NanPadding(torch.nn.Module):
+    """A piece that turns zero pad rows into NaN, then a splitting op, then a piece: NaN must not leak."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8, bias=False)
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = x / x.norm(dim=-1, keepdim=True)  # 0/0 = NaN on zero pad rows
+        h = record_rows(self.inp(h))
+        return self.out(h) + h
+
+
+seen_rows = []
+
+
+@piecewise.opaque_op("test_runtime::record_rows", split=True)
+def record_rows(x: torch.Tensor) -> torch.Tensor:
+    ctx = piecewise.context()
+    seen_rows.append((x.shape[0], ctx.num_tokens if ctx else None, ctx.padded_tokens if ctx else None))
+    return x * 3
+
+
+def test_padding_never_leaks_and_splitting_ops_see_real_rows():
+    model = NanPadding()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[8], max_tokens=8))
+    with torch.no_grad():
+        for tokens in (7, 3, 5, 8, 1):
+            x = torch.randn(tokens, 8) + 0.1
+            seen_rows.clear()
+            out = runner(x)
+            assert seen_rows[-1] == (tokens, tokens, 8)  # (an eager warm-up call may come first)
+            assert torch.isfinite(out).all()
+            torch.testing.assert_close(out, model(x))
+            buffer = runner.state.graph_runners[0].splitting_ops[0].buffers[0]
+            assert torch.count_nonzero(buffer[tokens:]) == 0, "rows past the real tokens must read zero"
+
+
+def test_forward_that_branches_on_the_token_count_is_refused():
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[0] > 4:
+                return self.linear(x)
+            return x
+
+    runner = piecewise.compile(Branchy(), piecewise.CaptureConfig(max_tokens=8))
+    with pytest.raises(ValueError, match=r"depends on the token count.*x.shape\[0\] > 4.*capture size"):
+        runner(torch.randn(6, 4))
+
+
+def test_changed_python_argument_retraces_with_one_warning_and_stays_correct():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x, scale: float):
+            return self.linear(x) * scale
+
+    model = Scaled()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x, 2.0), model(x, 2.0))
+        with pytest.warns(UserWarning, match=r"argument 'scale': 2.0 -> 3.0"):
+            out = runner(x, 3.0)
+        torch.testing.assert_close(out, model(x, 3.0))
+    assert runner.stats["traces"] == 2
+
+
+def test_no_splitting_ops_gives_one_piece():
+    model, (ids, positions, cache) = example(tokens=4)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, splitting_ops=()))
+    out, ref, cache, reference_cache = run_pair(model, runner, 4, cache)
+    assert runner.stats["pieces"] == 1 and runner.stats["splitting_op_calls"] == 0
+    assert rel_error(out, ref) <= 1e-5
+
+
+def test_keyword_arguments_and_tuple_outputs():
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 6)
+
+        def forward(self, x, bias):
+            h = record_rows(self.linear(x))
+            return h + bias, h.sum()
+
+    model = TwoOutputs()
+    bias = torch.randn(6)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        out, total = runner(x=x, bias=bias)
+        ref, ref_total = model(x, bias)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(total, ref_total)
+
+
+def test_inductor_pieces_trace_once_for_every_size():
+    model, (ids, positions, cache) = example(tokens=3, num_layers=1, hidden_size=32, intermediate_size=64)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compiler="inductor"))
+    with torch.no_grad():
+        for tokens in (8, 1, 3, 9):
+            out, ref, cache, reference_cache = run_pair(model, runner, tokens, cache)
+            assert rel_error(out, ref) <= 1e-4
+    assert runner.stats["traces"] == 1 and runner.stats["pieces"] == 2
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([8, 16]),
+    max_tokens=st.integers(1, 20),
+    token_counts=st.lists(st.integers(1, 24), min_size=1, max_size=5),
+)
+def test_random_shapes_and_sizes_equal_eager(layers, kv_heads, group, head_dim, max_tokens, token_counts):
+    heads = kv_heads * group
+    model, (ids, positions, cache) = example(
+        tokens=1, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        hidden_size=heads * head_dim, intermediate_size=48, vocab_size=64, max_seq_len=32,
+    )
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=max_tokens))
+    with torch.no_grad():
+        for tokens in token_counts:
+            out, ref, cache, reference_cache = run_pair(model, runner, tokens, cache, start=3)
+            assert rel_error(out, ref) <= 1e-5
+            assert rel_error(cache, reference_cache) <= 1e-5
+    assert runner.stats["traces"] == 1
+    assert runner.stats["pieces"] == layers + 1
