@@ -47,7 +47,7 @@ class CaptureState:
     stable_ptrs: set[int] = field(default_factory=set)
     """Addresses that never move: parameters, buffers, static arguments, piecewise's input buffers."""
     token_outputs: dict[int, bool] = field(default_factory=dict)
-    """ids of tensors the last graph returned that carry the token dimension (to slice back)."""
+    """id of each tensor a graph returned in this call → whether it carries the token dimension."""
     graph_runners: list["GraphRunner"] = field(default_factory=list)
     captured_this_size: list["PieceRunner"] = field(default_factory=list)
     replays: int = 0
@@ -307,6 +307,7 @@ class GraphRunner:
         self.compile_seconds = time.perf_counter() - started
         inputs = _placeholder_values(graph)
         self.token_inputs = [_is_token_tensor(v) for v in inputs]
+        self.symbolic = any(self.token_inputs)
         outputs = _output_values(graph)
         self.token_outputs = [_is_token_tensor(v) for v in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
         self.external: list[int] | None = None  # inputs that need a static copy; decided on the first call
@@ -325,10 +326,11 @@ class GraphRunner:
             if self.external:
                 args = self._stage_inputs(list(args))
         outputs = self.split_graph(*args)
-        flat = outputs if isinstance(outputs, (tuple, list)) else [outputs]
-        for value, token in zip(flat, self.token_outputs):
-            if token and isinstance(value, torch.Tensor):
-                state.token_outputs[id(value)] = True
+        if self.symbolic:  # a graph traced for one static size (after a break) can't tell: leave unknown
+            flat = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+            for value, token in zip(flat, self.token_outputs):
+                if isinstance(value, torch.Tensor):
+                    state.token_outputs[id(value)] = token
         return outputs
 
     def _stage_inputs(self, args: list) -> list:

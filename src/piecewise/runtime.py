@@ -256,7 +256,10 @@ class PiecewiseModel:
         def fix(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
                 return value
-            if id(value) in token_ids or (not token_ids and value.dim() > 0 and value.shape[0] == size):
+            token = token_ids.get(id(value))
+            if token is None:  # not from a symbolic graph (Python after a break): go by the padded length
+                token = value.dim() > 0 and value.shape[0] == size
+            if token:
                 value = value[:tokens]
             return value.clone() if clone else value
 
@@ -359,7 +362,10 @@ class PiecewiseModel:
         self._traced_in_call = True
         self.stats["compile_seconds"] += runner.compile_seconds
         if self.state.capture_done or self.stats["traces"] > 0:
-            runner.graphs_allowed = False
+            if self.state.capture_done:
+                runner.graphs_allowed = False
+            if self._tracer.graph_breaks:
+                return  # code after a graph break is traced per new shape once; the break was reported
             change = self._describe_change()
             warnings.warn(
                 f"piecewise: the model was traced again after the first trace ({change}); the new graph runs "

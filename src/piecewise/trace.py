@@ -67,8 +67,10 @@ class ForwardTracer:
             )
         self.blockers = blockers
         self.graph_breaks = True
+        # dynamic=None: code after a break gets tensors Python made, which carry no dynamic mark; Dynamo
+        # traces it once static, then once more with the dimensions that changed made dynamic.
         self.compiled = torch.compile(
-            _compat.fresh_method(self.model.forward), backend=self.backend, fullgraph=False, dynamic=False,
+            _compat.fresh_method(self.model.forward), backend=self.backend, fullgraph=False, dynamic=None,
             options=_compat.compile_options(),
         )
         return self.compiled(*args, **kwargs)
