@@ -65,6 +65,11 @@ def _module_name(path: str) -> str:
 
 
 def _load_module(path: str) -> Any:
+    if not path.endswith(".py") and not os.path.exists(path) and re.fullmatch(r"[\w.]+", path):
+        try:  # a dotted module name, e.g. piecewise.models.llama
+            return importlib.import_module(path)
+        except ImportError as exc:
+            raise UsageError(f"cannot import module {path!r}: {exc}; give path/to/file.py or an importable module") from exc
     if not os.path.isfile(path):
         raise UsageError(f"target file {path!r} does not exist (looked in {os.getcwd()}); check the path")
     name = _module_name(path)
@@ -151,9 +156,75 @@ def run_doctor(options: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_BLOCKED
 
 
-# `piecewise run TARGET` (the runtime's entry point) is added here as `add_run`, then listed below.
+def add_run(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="compile a model piecewise, run it, check it against eager and show what ran",
+        description="Compile the target's model with piecewise.compile, call it on the target's inputs "
+        "and on every capture size's worth of them, compare with eager and print the runtime's stats. "
+        "Exit 0 when outputs match eager, 1 when they do not.",
+    )
+    parser.add_argument("target", help="path/to/file.py:factory or module:factory; factory() returns (model, args[, kwargs])")
+    parser.add_argument("--max-tokens", type=int, default=64, help="largest captured token count (default 64)")
+    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"], help="piece compiler")
+    parser.add_argument("--strict", action="store_true", help="fail on anything Dynamo cannot trace")
+    parser.add_argument("--json", action="store_true", help="print the stats as JSON")
+    parser.set_defaults(handler=run_run)
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_doctor]
+
+def run_run(options: argparse.Namespace) -> int:
+    import copy
+    import json
+
+    import torch
+
+    import piecewise
+
+    target = load_target(options.target)
+    try:
+        config = piecewise.CaptureConfig(max_tokens=options.max_tokens, compiler=options.compiler, strict=options.strict)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    model = target.model
+    args = [copy.deepcopy(a) if isinstance(a, torch.Tensor) else a for a in target.args]
+    reference_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    with torch.no_grad():
+        expected = model(*reference_args, **target.kwargs)
+    runner = piecewise.compile(model, config)
+    output = runner(*args, **target.kwargs)
+    expected_leaves = [t for t in torch.utils._pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
+    output_leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    errors = [
+        float((o.double() - e.double()).norm() / e.double().norm().clamp_min(1e-30))
+        for o, e in zip(output_leaves, expected_leaves)
+    ]
+    worst = max(errors, default=0.0)
+    low_precision = any(t.dtype in (torch.float16, torch.bfloat16) for t in expected_leaves)
+    tolerance = 1e-2 if low_precision else 1e-5
+    matches = len(output_leaves) == len(expected_leaves) and worst <= tolerance
+    stats = {key: value for key, value in runner.stats.items() if key != "capture_sizes"}
+    stats["capture_sizes"] = len(runner.stats["capture_sizes"])
+    report = {"matches_eager": matches, "relative_error": worst, "tolerance": tolerance, "stats": stats}
+    if options.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console()
+        table = Table(title=f"piecewise run {options.target}", show_header=False)
+        table.add_row("output vs eager", f"{'match' if matches else 'MISMATCH'} (relative error {worst:.2e}, tolerance {tolerance:.0e})")
+        graphs = "yes" if stats["cuda_graphs"] else "no: pieces ran without graphs (no CUDA device or cuda_graphs=False)"
+        table.add_row("CUDA graphs", graphs)
+        for key in ("pieces", "splitting_op_calls", "traces", "graph_breaks", "capture_sizes", "graphs",
+                    "replays", "fallback_calls", "capture_seconds", "pool_bytes", "prewarm_seconds"):
+            value = stats[key]
+            table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+        console.print(table)
+    return EXIT_OK if matches else EXIT_BLOCKED
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_doctor, add_run]
 
 
 def build_parser() -> argparse.ArgumentParser:
