@@ -141,7 +141,7 @@ class PieceRunner:
             frame = next((line.strip() for line in reversed(trace) if line.strip().startswith("File ")), "")
             where = f" at `{node.format_node()}`" + (f" ({frame})" if frame else "")
         return CaptureFailed(
-            f"piecewise: {self.name} cannot be captured as a CUDA graph{where}: {exc}. "
+            f"piecewise [capture_illegal]: {self.name} cannot be captured as a CUDA graph{where}: {exc}. "
             f"Operations that synchronise the host (tensor.item(), .cpu(), .tolist(), blocking copies, "
             f"torch.cuda.synchronize) cannot run inside a captured piece: move them out of forward, or make "
             f"the code a splitting op with piecewise.opaque_op(..., split=True) so it runs eagerly.",

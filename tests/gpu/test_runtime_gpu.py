@@ -95,4 +95,4 @@ def test_capture_illegal_op_names_the_line():
     with pytest.raises(RuntimeError) as info:
         runner(torch.randn(3, 16, device="cuda"))
     message = str(info.value)
-    assert "test_runtime_gpu.py" in message and "capture-illegal" in message
+    assert "test_runtime_gpu.py" in message and "capture_illegal" in message and "cpu" in message

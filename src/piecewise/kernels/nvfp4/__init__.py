@@ -18,7 +18,7 @@ CPU tensors run the pure-PyTorch reference, which the kernels match byte for byt
 
 from .functional import dequantize, global_scale_for, linear, quantize
 from .layout import swizzle_scales, unswizzle_scales
-from .linear import NVFP4Linear
+from .module import NVFP4Linear
 
 __all__ = [
     "NVFP4Linear",
