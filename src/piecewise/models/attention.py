@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from ..opaque import opaque_op
 
 
-def _attention_fake(q, k, v, positions, kv_cache, layer):
+def attention_fake(q, k, v, positions, kv_cache, layer):
+    """Output metadata of the attention ops: [T, Hq·D]."""
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-@opaque_op("piecewise_examples::attention", fake=_attention_fake, mutates_args=("kv_cache",), split=True)
+@opaque_op("piecewise_examples::attention", fake=attention_fake, mutates_args=("kv_cache",), split=True)
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, layer: int
 ) -> torch.Tensor:

@@ -6,14 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from ..opaque import opaque_op
+from .attention import attention_fake
 from .llama import LlamaConfig, TinyLlama
 
 
-def _decode_attention_fake(q, k, v, positions, kv_cache, layer):
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-
-@opaque_op("piecewise_examples::decode_attention", fake=_decode_attention_fake, mutates_args=("kv_cache",), split=True)
+@opaque_op("piecewise_examples::decode_attention", fake=attention_fake, mutates_args=("kv_cache",), split=True)
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, layer: int
 ) -> torch.Tensor:
