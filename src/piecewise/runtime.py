@@ -410,3 +410,33 @@ def compile(
     the same storage on every call (KV caches), or the call raises ``ValueError`` naming it.
     """
     return PiecewiseModel(model, config if config is not None else CaptureConfig(), dynamic)
+
+
+def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
+    """Capture one size (the inputs' token count) on CUDA; return ``capture_illegal`` blockers, if any.
+
+    Used by ``piecewise.doctor``; only meaningful for a model on CUDA.
+    """
+    import re
+
+    from .cudagraph import CaptureFailed
+    from .diagnostics.blockers import Blocker, Frame
+    from .diagnostics.classify import FIXES
+
+    runner = PiecewiseModel(model, CaptureConfig(max_tokens=512), None)
+    arguments = runner._bind(tuple(args), dict(kwargs))
+    tokens = runner._token_count(arguments)
+    runner.config = CaptureConfig(capture_sizes=[tokens], max_tokens=tokens)
+    runner._sizes = runner.config.sizes
+    runner.state.max_tokens = tokens
+    runner.stats["capture_sizes"] = list(runner._sizes)
+    try:
+        runner(*args, **kwargs)
+    except CaptureFailed as exc:
+        trace = (exc.node.meta.get("stack_trace") or "") if exc.node is not None else ""
+        chain = [
+            Frame(path, int(line), function, None)
+            for path, line, function in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
+        ]
+        return [Blocker(kind="capture_illegal", message=str(exc), chain=chain, fix=FIXES["capture_illegal"])]
+    return []

@@ -96,3 +96,22 @@ def test_capture_illegal_op_names_the_line():
         runner(torch.randn(3, 16, device="cuda"))
     message = str(info.value)
     assert "test_runtime_gpu.py" in message and "capture_illegal" in message and "cpu" in message
+
+
+def test_doctor_trial_capture_finds_capture_illegal_ops():
+    class Syncs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.linear(x).cpu().cuda() + 1  # capture-illegal line
+
+    report = piecewise.doctor(Syncs().cuda(), torch.randn(4, 16, device="cuda"))
+    kinds = [b.kind for b in report.blockers]
+    assert "capture_illegal" in kinds, str(report)
+    blocker = report.blockers[kinds.index("capture_illegal")]
+    assert blocker.chain and blocker.chain[-1].file.endswith("test_runtime_gpu.py")
+    assert blocker.chain[-1].function == "forward"
+    clean = torch.nn.Linear(16, 16).cuda()
+    assert piecewise.doctor(clean, torch.randn(4, 16, device="cuda")).ok
