@@ -13,8 +13,6 @@ from typing import Any
 import torch
 import torch._dynamo
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-
 # Dynamo's "graph break under fullgraph" exception.
 Unsupported = torch._dynamo.exc.Unsupported
 # Dynamo wraps anything a backend raises in this; ``inner_exception`` holds the original.

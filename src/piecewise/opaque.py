@@ -76,23 +76,16 @@ def _check_name(name: str) -> str:
     return qualified
 
 
-def _first_tensor(args: Iterable[Any]) -> torch.Tensor | None:
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            return arg
-        if isinstance(arg, (list, tuple)):
-            found = _first_tensor(arg)
-            if found is not None:
-                return found
-    return None
-
-
 def _tensors(values: Iterable[Any]):
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
         elif isinstance(value, (list, tuple)):
             yield from _tensors(value)
+
+
+def _first_tensor(values: Iterable[Any]) -> torch.Tensor | None:
+    return next(_tensors(values), None)
 
 
 def _record_call(info: OpaqueOpInfo, args: tuple, kwargs: dict) -> None:

@@ -24,7 +24,7 @@ from .trace import ForwardTracer
 logger = logging.getLogger(__name__)
 
 
-def _progress(total: int):
+def _progress():
     """A rich progress bar on a terminal, nothing otherwise."""
     from rich.console import Console
     from rich.progress import Progress
@@ -314,7 +314,7 @@ class PiecewiseModel:
         gc.collect()
         gc.freeze()  # no collection during capture: a collected CUDA tensor would free memory mid-capture
         try:
-            with torch.cuda.stream(stream), _progress(len(self._sizes)) as progress:
+            with torch.cuda.stream(stream), _progress() as progress:
                 task = progress.add_task("capturing CUDA graphs", total=len(self._sizes)) if progress else None
                 for size in reversed(self._sizes):
                     rows = min(tokens, size)
