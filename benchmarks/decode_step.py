@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -24,19 +25,30 @@ from piecewise.opaque import opaque_op_info
 BATCHES = (1, 8, 32, 128)
 
 
-def wall_ms(fn, iters: int = 50, repeats: int = 5) -> float:
-    """Host-inclusive time per call (launch overhead is the point), median of ``repeats``."""
-    for _ in range(5):
+ITERS, ROUNDS = 50, 11
+
+
+def sample_ms(fn, iters: int = ITERS) -> float:
+    """Host-inclusive time per call over ``iters`` back-to-back calls (launch overhead is the point)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
         fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
+def round_robin_ms(steps: dict, rounds: int = ROUNDS) -> dict:
+    """Median per variant of ``rounds`` samples taken in turn (variant A, B, C, A, B, C, ...), so clock and
+    host drift hit every variant alike."""
+    for fn in steps.values():
+        for _ in range(5):
             fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3 / iters)
-    return statistics.median(samples)
+    samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            samples[name].append(sample_ms(fn))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def inputs(batch: int, cache: torch.Tensor, vocab: int):
@@ -57,7 +69,12 @@ def full_graph(model, ids, positions, cache):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = model(*static, cache)
-    return lambda: graph.replay(), out
+
+    def step():
+        graph.replay()
+
+    step.keep_alive = static  # the graph reads these addresses: they must outlive it
+    return step, out
 
 
 def hand_piecewise(model, ids, positions, cache):
@@ -103,6 +120,7 @@ def hand_piecewise(model, ids, positions, cache):
             attn_in[i].copy_(attend(q, k, v, positions, cache, i))
             graphs[i + 1].replay()
 
+    step.keep_alive = (ids, positions)  # read by the captured graphs
     return step, out
 
 
@@ -110,6 +128,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="directory for decode_step.json and decode_step.md")
     parser.add_argument("--skip-inductor", action="store_true")
+    parser.add_argument(
+        "--gc-freeze", action="store_true",
+        help="gc.freeze() after set-up, before timing (as serving engines do after start-up)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("decode_step.py needs a CUDA GPU", file=sys.stderr)
@@ -122,28 +144,34 @@ def main() -> int:
     errors: dict[str, dict[int, float]] = {}
 
     def record(variant, batch, ms, out=None, ref=None):
-        results.setdefault(variant, {})[batch] = ms
+        if ms is not None:
+            results.setdefault(variant, {})[batch] = ms
         if out is not None and ref is not None:
             errors.setdefault(variant, {})[batch] = float((out.float() - ref.float()).norm() / ref.float().norm())
 
     refs = {}
+    steps: dict[int, dict] = {b: {} for b in BATCHES}  # batch → variant → step function
     with torch.no_grad():
         for batch in BATCHES:
             ids, positions, _ = inputs(batch, cache, L16.vocab_size)
             refs[batch] = model(ids, positions, cache).clone()
-            record("eager", batch, wall_ms(lambda: model(ids, positions, cache)))
+            steps[batch]["eager"] = lambda ids=ids, positions=positions: model(ids, positions, cache)
             step, out = full_graph(model, ids, positions, cache)
             step()
-            record("full graph", batch, wall_ms(step), out, refs[batch])
+            record("full graph", batch, None, out, refs[batch])
+            steps[batch]["full graph"] = step
             step, out = hand_piecewise(model, ids, positions, cache)
             step()
-            record("hand piecewise (floor)", batch, wall_ms(step), out, refs[batch])
+            record("hand piecewise (floor)", batch, None, out, refs[batch])
+            steps[batch]["hand piecewise (floor)"] = step
 
     capture = {}
+    runners = []
     compilers = ["eager"] if args.skip_inductor else ["eager", "inductor"]
     for compiler in compilers:
         name = f"piecewise ({compiler} pieces)"
         runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=512, compiler=compiler))
+        runners.append(runner)
         ids, positions, _ = inputs(max(BATCHES), cache, L16.vocab_size)
         started = time.perf_counter()
         runner.capture(ids, positions, cache)
@@ -162,10 +190,8 @@ def main() -> int:
         for batch in BATCHES:
             ids, positions, _ = inputs(batch, cache, L16.vocab_size)
             out = runner(ids, positions, cache)
-            record(name, batch, wall_ms(lambda: runner(ids, positions, cache)), out, refs[batch])
-        capture[name]["traces_after_all_batches"] = runner.stats["traces"]
-        del runner
-        torch.cuda.empty_cache()
+            record(name, batch, None, out, refs[batch])
+            steps[batch][name] = lambda r=runner, ids=ids, positions=positions: r(ids, positions, cache)
 
     if not args.skip_inductor:
         compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
@@ -178,7 +204,19 @@ def main() -> int:
                 out = compiled(ids, positions, cache)
                 out = compiled(ids, positions, cache).clone()
                 capture.setdefault(name, {})[f"first_calls_seconds_B{batch}"] = time.perf_counter() - started
-                record(name, batch, wall_ms(lambda: compiled(ids, positions, cache)), out, refs[batch])
+                record(name, batch, None, out, refs[batch])
+                steps[batch][name] = lambda ids=ids, positions=positions: compiled(ids, positions, cache)
+
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()  # Python's collector no longer walks the compiled artifacts on every collection
+    with torch.no_grad():
+        for batch in BATCHES:
+            for variant, ms in round_robin_ms(steps[batch]).items():
+                results.setdefault(variant, {})[batch] = ms
+    for runner in runners:
+        name = f"piecewise ({runner.config.compiler} pieces)"
+        capture[name]["traces_after_all_batches"] = runner.stats["traces"]
 
     meta = {
         "date": datetime.date.today().isoformat(),
@@ -186,13 +224,15 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "command": "PYTHONPATH=src python benchmarks/decode_step.py " + " ".join(sys.argv[1:]),
         "model": "L16: hidden 2048, 16 q / 4 kv heads, head_dim 128, FFN 5632, 16 layers, bf16, KV context 1024",
+        "gc": "frozen after set-up" if args.gc_freeze else "default (not frozen)",
     }
     lines = [
         "# Decode step, L16 model",
         "",
         *(f"- {k}: {v}" for k, v in meta.items()),
         "",
-        "ms per step (host-inclusive wall time, median of 5×50 calls); rel. error vs eager in brackets",
+        f"ms per step (host-inclusive wall time: median of {ROUNDS} samples of {ITERS} calls, variants sampled in turn); "
+        "rel. error vs eager in brackets",
         "",
         "| variant | " + " | ".join(f"B={b}" for b in BATCHES) + " |",
         "|---|" + "---|" * len(BATCHES),

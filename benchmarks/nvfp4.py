@@ -92,7 +92,7 @@ def bench_quantize(do_bench, bandwidth: float, quick: bool) -> list[dict]:
 def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, sweep: bool) -> list[dict]:
     from piecewise.kernels.nvfp4 import global_scale_for
     from piecewise.kernels.nvfp4.reference import quantize_reference
-    from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_config, sm_count, w4a16_linear
+    from piecewise.kernels.nvfp4.triton_gemm import DENSE_FROM_ROWS, GemmConfig, pick_config, sm_count, w4a16_linear
 
     n = k = size
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -120,7 +120,8 @@ def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, s
         expected = x_copies[0].float() @ reference_weight.T
         error = float((ours[0]().float() - expected).norm() / expected.norm())
         row = {
-            "M": m, "N": n, "K": k, "config": pick_config(m, n, k, sms).__dict__, "rel_error": error,
+            "M": m, "N": n, "K": k, "rel_error": error,
+            "config": {"path": "dequantize + cuBLAS"} if m >= DENSE_FROM_ROWS else pick_config(m, n, k, sms).__dict__,
             "ours_ms": do_bench(rotating(ours), warmup=25, rep=100, return_mode="median"),
             "ours_graph_ms": graph_ms(ours, do_bench),
             "bf16_ms": do_bench(rotating(dense), warmup=25, rep=100, return_mode="median"),
@@ -135,7 +136,7 @@ def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, s
         if sweep and m <= 16:
             candidates = [
                 GemmConfig(16, n_block, k_block, warps, stages, split)
-                for n_block, k_block, warps, stages in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 4), (32, 256, 4, 4))
+                for n_block, k_block, warps, stages in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3))
                 for split in (1, 2, 4, 8, 16)
             ]
             timings = []
@@ -195,7 +196,9 @@ def markdown(meta: dict, bandwidth: float, quantize_rows, gemm_rows, checks) -> 
     ]
     for r in gemm_rows:
         c = r["config"]
-        config = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} split{c['split_k']}"
+        config = c["path"] if "path" in c else (
+            f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} split{c['split_k']}"
+        )
         lines.append(
             f"| {r['M']} | {r['K']} | {r['ours_graph_ms']:.4f} | {r['ours_ms']:.4f} | {r['bf16_graph_ms']:.4f} | "
             f"{r['bf16_ms']:.4f} | {r['floor_ms']:.4f} | {r['roofline_fraction']:.0%} | {r['tflops']:.1f} | "

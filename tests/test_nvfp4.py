@@ -317,3 +317,65 @@ def test_nvfp4_linear_traces_in_piecewise_compile_on_cpu():
         x = torch.randn(tokens, 64, dtype=torch.bfloat16)
         assert torch.equal(runner(x), model(x))
     assert runner.stats["traces"] == 1 and runner.stats["graph_breaks"] == 0
+
+
+# --- the Triton GEMM's decode PTX, run through a small emulator ------------------------------------------
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    data = a | (b << 32)
+    out = 0
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = (data >> (8 * (nibble & 7))) & 0xFF
+        if nibble & 8:  # sign-replicate mode
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _run_ptx(asm: str, word: int) -> list[int]:
+    regs = {"$4": word}
+
+    def value(token: str) -> int:
+        return int(token) & 0xFFFFFFFF if token.lstrip("-").isdigit() else regs[token]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dest, *sources = [t.strip() for t in rest.split(",")]
+        args = [value(t) for t in sources]
+        result = {
+            "and.b32": lambda: args[0] & args[1],
+            "or.b32": lambda: args[0] | args[1],
+            "shr.u32": lambda: args[0] >> args[1],
+            "mov.b32": lambda: args[0],
+            "prmt.b32": lambda: _prmt(*args),
+        }[op]()
+        regs[dest] = result & 0xFFFFFFFF
+    return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, 2.0**120), (torch.float16, 2.0**8)])
+def test_decode_ptx_gives_every_code_times_its_bias_in_pack_order(dtype, bias):
+    from piecewise.kernels.nvfp4.ptx import DECODE_ASM
+
+    asm = DECODE_ASM["bf16" if dtype == torch.bfloat16 else "f16"]
+    magnitudes = list(E2M1_MAGNITUDES)
+    generator = torch.Generator().manual_seed(0)
+    for position in range(4):
+        for byte in range(256):
+            others = torch.randint(0, 256, (4,), generator=generator).tolist()
+            others[position] = byte
+            word = sum(b << (8 * i) for i, b in enumerate(others))
+            out = _run_ptx(asm, word)
+            # Output 0 ($0, $1) holds the low-nibble values of bytes 0..3, output 1 ($2, $3) the high ones;
+            # element i of an output is 16-bit half (i % 2) of its register i // 2.
+            halves = torch.tensor([[r & 0xFFFF, r >> 16] for r in out], dtype=torch.int32).to(torch.int16)
+            values = halves.view(dtype).float().reshape(2, 4).tolist()
+            for i, b in enumerate(others):
+                for nibble, got in ((b & 0xF, values[0][i]), (b >> 4, values[1][i])):
+                    expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * bias
+                    assert got == expected, (position, byte, i, nibble, got, expected)

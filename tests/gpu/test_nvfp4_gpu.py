@@ -116,8 +116,54 @@ def test_gemm_configs_and_fp16_activations(config, dtype):
 
 def test_config_table_splits_k_for_decode_and_not_for_prefill():
     sms = sm_count(torch.cuda.current_device())
-    assert pick_config(1, 4096, 4096, sms).split_k > 1
-    assert pick_config(4096, 4096, 4096, sms).split_k == 1
+    for size in (4096, 8192):
+        config = pick_config(1, size, size, sms)
+        k_steps = size // config.block_k
+        assert config.split_k > 1 and k_steps % config.split_k == 0
+        assert config.split_k & (config.split_k - 1) == 0
+    assert pick_config(200, 4096, 4096, sms).block_m == 128
+
+
+def subnormal_scale_weight(out_features: int, in_features: int):
+    """A weight whose first half of rows is ~2e-5 of the rest: all their block scales are E4M3 subnormals."""
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    weight = torch.randn(out_features, in_features, device="cuda", generator=generator) * 0.02
+    weight[: out_features // 2] *= 2e-5
+    gs = global_scale_for(weight)
+    packed, scales = reference.quantize_reference(weight, gs)
+    exponent = scales.view(torch.uint8) >> 3
+    assert bool((exponent[: out_features // 2] == 0).all()) and bool((scales[: out_features // 2].float() > 0).any())
+    return packed, scales, torch.reciprocal(gs)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 100, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemm_with_subnormal_block_scales(rows, dtype):
+    packed, scales, decode = subnormal_scale_weight(512, 1024)
+    dense = dequantize(packed, scales, torch.reciprocal(decode), dtype=torch.float32)
+    x = torch.randn(rows, 1024, device="cuda", dtype=dtype)
+    out = w4a16_linear(x, packed, scales, decode)
+    expected = x.float() @ dense.T
+    # The tiny half alone: flushing subnormal scales to zero would zero it.
+    assert rel_error(out[:, :256], expected[:, :256]) <= 1e-2
+    assert rel_error(out[:, 256:], expected[:, 256:]) <= 1e-2
+
+
+def test_split_k_is_deterministic_across_calls_and_streams():
+    packed, scales, decode = random_weight(4096, 4096, seed=11)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert pick_config(1, 4096, 4096, sm_count(torch.cuda.current_device())).split_k > 1
+    first = w4a16_linear(x, packed, scales, decode)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    results = []
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(10):
+        for stream in streams:
+            with torch.cuda.stream(stream):
+                results.append(w4a16_linear(x, packed, scales, decode))
+    torch.cuda.synchronize()
+    assert all(torch.equal(r, first) for r in results)
 
 
 def test_nvfp4_linear_from_linear_on_cuda_matches_cpu():

@@ -6,17 +6,18 @@ weight never takes a round trip through shared memory. The activation tile is th
 tl.dot needs at least 16 columns: decode (M < 16) pads the token block to 16 — the tensor cores have spare
 capacity there, the kernel is bound by the weight bytes.
 
-Weight decode: the packed weight is read as int32 words (8 codes each). A 4-bit code c becomes the float16 bit
-pattern ``sign(c) << 15 | (c & 7) << 9``, whose value is exactly ``e2m1(c) · 2^-14`` (code 1 lands on the fp16
-subnormal 2^-15); multiplied by the block scale in float16 (packed HMUL2) it gives ``e2m1 · s_b · 2^-14``, exact
-in float16 (≤ 6 significant bits, a multiple of 2^-24) and in bf16. The 2^14 and the tensor decode scale multiply
-the float32 accumulator once at the end. The decode is ALU work (~10 SASS instructions per weight element at
-M ≤ 16 on sm_90, measured from the compiled loop): at decode sizes it, not HBM, is the likely limit.
+Weight decode (``_decode_asm``): inline PTX turns 4 packed bytes (8 codes) into 8 bf16/f16 values with byte
+lookup tables (``prmt``), 14 instructions per 8 values, giving ``e2m1 · 2^120`` (bf16) or ``e2m1 · 2^8`` (f16).
+The E4M3 block scale becomes a 16-bit float by a shift (``s · 2^-120`` / ``s · 2^-8``), and one packed multiply
+gives ``e2m1 · s_b`` exactly (≤ 6 significant bits, in range). The tensor decode scale multiplies the float32
+accumulator once at the end. On sm_90 the M ≤ 16 loop compiles to ~7.9 SASS instructions per weight element,
+about half of them the decode; the rest are wgmma issue, address and pipeline bookkeeping.
 
 Launch configuration comes from a fixed table keyed on M (``pick_config``), never from autotuning, so the first
 call inside a CUDA-graph capture launches exactly what eager calls launch. For few output tiles (small M) the K
-loop is split across programs (split-K) so every SM streams weights; partial sums go to a float32 workspace and
-a second small kernel adds them (deterministic: no atomics).
+loop is split across programs (split-K); each split stores a float32 partial tile and the last split of a tile
+to arrive (an acq_rel counter) adds the partials in split order — deterministic, one launch. From
+``DENSE_FROM_ROWS`` rows on (prefill), the weight is dequantized into a scratch tensor and cuBLAS does the GEMM.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_gemm_inputs
-from .triton_quant import e4m3_decode
+from .ptx import DECODE_ASM
 
 
 @dataclass(frozen=True)
@@ -48,19 +49,22 @@ class GemmConfig:
     """Programs sharing one output tile's K loop (1: no split)."""
 
 
-# (largest M, config with split_k=1): the first row whose bound is ≥ M is used.
+# (largest M, config with split_k=1): the first row whose bound is ≥ M is used. Picked from a sweep on an
+# H200 (benchmarks/nvfp4.py --sweep). Above the last bound, ``w4a16_linear`` dequantizes and calls cuBLAS.
 _CONFIG_TABLE: tuple[tuple[int, GemmConfig], ...] = (
     (16, GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     (32, GemmConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     (64, GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)),
     (128, GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)),
-    (256, GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
-    (1 << 62, GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    (1 << 62, GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)),
 )
+DENSE_FROM_ROWS = 256
+"""From this many rows on (bf16 activations), dequantizing W to a bf16 scratch and calling cuBLAS beats the
+fused kernel. fp16 stays fused: weights far below 1 can fall under fp16's range once the decode scale is in."""
 _MAX_SPLIT_K = 16
-_MIN_K_STEPS_PER_SPLIT = 4
-# Programs per SM to aim for when splitting K: the M ≤ 16 config (80 registers, 32 KB of shared memory at 4
-# stages on sm_90) fits 6 per SM; 4 keeps every SM streaming weights without making the split-K sum large.
+_MIN_K_STEPS_PER_SPLIT = 2
+# Programs per SM to aim for when splitting K (the M ≤ 16 config fits 7 per SM on sm_90: 92 registers, 29 KB
+# of shared memory).
 _PROGRAMS_PER_SM = 4
 
 
@@ -76,100 +80,191 @@ def pick_config(rows: int, out_features: int, in_features: int, sms: int) -> Gem
     k_steps = triton.cdiv(in_features, base.block_k)
     split = 1
     target = _PROGRAMS_PER_SM * sms
-    if tiles < target:
-        split = min(triton.cdiv(target, tiles), _MAX_SPLIT_K, max(1, k_steps // _MIN_K_STEPS_PER_SPLIT))
+    # A power of two that divides the K steps, so every split runs whole steps (no masked loads).
+    while (
+        tiles * split * 2 <= target and split * 2 <= _MAX_SPLIT_K
+        and k_steps % (split * 2) == 0 and k_steps // (split * 2) >= _MIN_K_STEPS_PER_SPLIT
+    ):
+        split *= 2
     return GemmConfig(
         block_m=base.block_m, block_n=base.block_n, block_k=base.block_k,
-        num_warps=base.num_warps, num_stages=base.num_stages, split_k=max(split, 1),
+        num_warps=base.num_warps, num_stages=base.num_stages, split_k=split,
     )
 
 
+_DECODE_BF16 = tl.constexpr(DECODE_ASM["bf16"])
+_DECODE_F16 = tl.constexpr(DECODE_ASM["f16"])
+
+
 @triton.jit
-def _nibble_value(words, index: tl.constexpr, word_scale):
-    """Nibble ``index`` of each int32 word as ``e2m1 · s_b · 2^-14``, exact in float16 (see the module docstring)."""
-    nibble = words >> (4 * index)
-    pattern = ((nibble & 0x7) << 9) | ((nibble & 0x8) << 12)
-    return pattern.to(tl.int16).to(tl.float16, bitcast=True) * word_scale
+def _decode_tile(packed, IS_FP16: tl.constexpr):
+    """uint8 codes [BN, BK/2] → [BN, BK] 16-bit ``e2m1 · 2^bias`` (bf16: 2^120, f16: 2^8), in K order."""
+    if IS_FP16:
+        low, high = tl.inline_asm_elementwise(
+            _DECODE_F16, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
+    else:
+        low, high = tl.inline_asm_elementwise(
+            _DECODE_BF16, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    return tl.reshape(tl.join(low, high), (packed.shape[0], packed.shape[1] * 2))
+
+
+@triton.jit
+def _scaled_tile(packed, scale_byte, IS_FP16: tl.constexpr):
+    """Codes [BN, BK/2] and E4M3 scale bytes [BN, BK/16] → ``e2m1 · s_b`` [BN, BK] in bf16/f16, exact.
+
+    The scale byte becomes a 16-bit float by a shift: bf16 ``s · 2^-120`` (<< 4), f16 ``s · 2^-8`` (<< 7), exact
+    (E4M3 subnormals land on subnormals); its product with ``e2m1 · 2^120`` (``2^8``) is ``e2m1 · s_b``, exact.
+    """
+    if IS_FP16:
+        scale = (scale_byte.to(tl.int16) << 7).to(tl.float16, bitcast=True)
+    else:
+        scale = (scale_byte.to(tl.int16) << 4).to(tl.bfloat16, bitcast=True)
+    rows: tl.constexpr = packed.shape[0]
+    cols: tl.constexpr = packed.shape[1] * 2
+    weight = tl.reshape(_decode_tile(packed, IS_FP16), (rows, cols // 16, 16)) * scale[:, :, None]
+    return tl.reshape(weight, (rows, cols))
 
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, weight_ptr, scales_ptr, decode_scale_ptr, bias_ptr, out_ptr,
-    rows, out_features, in_features, stride_x_row, stride_out_split, stride_out_row, k_per_split,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, weight_ptr, scales_ptr, decode_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    rows, out_features, in_features, stride_x_row, stride_out_row, k_per_split,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, IS_FP16: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     split = tl.program_id(2)
-    words_per_row = in_features // 8
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    bytes_per_row = in_features // 2
     groups = in_features // 16
-    word = tl.arange(0, BLOCK_K // 8)
+    byte = tl.arange(0, BLOCK_K // 2)
     group = tl.arange(0, BLOCK_K // 16)
     k_offsets = tl.arange(0, BLOCK_K)
     n_mask = n < out_features
     m_mask = m < rows
+    # Rows past N read row N-1 (never stored): the weight loads need no row mask.
+    n_rows = tl.minimum(n, out_features - 1)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_begin = split * k_per_split
-    # The last split may run past K: masks zero those steps (all splits take the same time anyway).
     for step in range(0, k_per_split, BLOCK_K):
         k0 = k_begin + step
-        word_index = k0 // 8 + word
-        words = tl.load(
-            weight_ptr + n[:, None] * words_per_row + word_index[None, :],
-            mask=n_mask[:, None] & (word_index[None, :] < words_per_row), other=0,
-        )
+        byte_index = k0 // 2 + byte
         group_index = k0 // 16 + group
-        scale_byte = tl.load(
-            scales_ptr + n[:, None] * groups + group_index[None, :],
-            mask=n_mask[:, None] & (group_index[None, :] < groups), other=0,
-        ).to(tl.int32)
-        scale = e4m3_decode(scale_byte).to(tl.float16)  # exact: E4M3 values are float16 values
-        # One scale per two words (16 elements).
-        word_scale = tl.reshape(tl.join(scale, scale), (BLOCK_N, BLOCK_K // 8))
-        # Nibble i of a word is element 8·word + i. Joining in bit-reversed pairs makes the flattened order
-        # of the last three size-2 dims equal to i, so the final reshape needs no permutation.
-        n0 = _nibble_value(words, 0, word_scale)
-        n1 = _nibble_value(words, 1, word_scale)
-        n2 = _nibble_value(words, 2, word_scale)
-        n3 = _nibble_value(words, 3, word_scale)
-        n4 = _nibble_value(words, 4, word_scale)
-        n5 = _nibble_value(words, 5, word_scale)
-        n6 = _nibble_value(words, 6, word_scale)
-        n7 = _nibble_value(words, 7, word_scale)
-        values = tl.join(
-            tl.join(tl.join(n0, n4), tl.join(n2, n6)),
-            tl.join(tl.join(n1, n5), tl.join(n3, n7)),
-        )
-        weight = tl.reshape(values, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+        weight_ptrs = weight_ptr + n_rows[:, None] * bytes_per_row + byte_index[None, :]
+        scale_ptrs = scales_ptr + n_rows[:, None] * groups + group_index[None, :]
+        if EVEN_K:
+            packed = tl.load(weight_ptrs)
+            scale_byte = tl.load(scale_ptrs)
+        else:  # K is not a multiple of the split's steps: the last steps run past K and load zeros
+            packed = tl.load(weight_ptrs, mask=byte_index[None, :] < bytes_per_row, other=0)
+            scale_byte = tl.load(scale_ptrs, mask=group_index[None, :] < groups, other=0)
+        weight = _scaled_tile(packed, scale_byte, IS_FP16)
 
         k_index = k0 + k_offsets
-        x_t = tl.load(
-            x_ptr + m[None, :] * stride_x_row + k_index[:, None],
-            mask=m_mask[None, :] & (k_index[:, None] < in_features), other=0.0,
-        )
+        if EVEN_K:
+            x_t = tl.load(x_ptr + m[None, :] * stride_x_row + k_index[:, None], mask=m_mask[None, :], other=0.0)
+        else:
+            x_t = tl.load(
+                x_ptr + m[None, :] * stride_x_row + k_index[:, None],
+                mask=m_mask[None, :] & (k_index[:, None] < in_features), other=0.0,
+            )
         acc = tl.dot(weight, x_t, acc)
 
-    acc = acc * (tl.load(decode_scale_ptr) * 16384.0)  # 2^14 undoes the 2^-14 of the fp16 code patterns
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + split * stride_out_split + m[None, :] * stride_out_row + n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K > 1:
+        # Serial reduction in one launch: every split stores its partial tile, the last split of the tile to
+        # arrive (an acq_rel counter) adds them in split order (deterministic) and resets the counter.
+        tile = pid_m * tl.num_programs(0) + pid_n
+        tile_partials = partial_ptr + tile * (SPLIT_K * BLOCK_N * BLOCK_M)
+        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(tile_partials + split * (BLOCK_N * BLOCK_M) + local, acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for other in tl.static_range(SPLIT_K):
+                acc += tl.load(tile_partials + other * (BLOCK_N * BLOCK_M) + local, cache_modifier=".cg")
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+            acc = acc * tl.load(decode_scale_ptr)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            out = out_ptr + m[None, :] * stride_out_row + n[:, None]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        acc = acc * tl.load(decode_scale_ptr)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out = out_ptr + m[None, :] * stride_out_row + n[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _split_k_sum_kernel(
-    partial_ptr, bias_ptr, out_ptr, numel, out_features,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+def _scaled_weight_kernel(
+    weight_ptr, scales_ptr, decode_scale_ptr, out_ptr, out_features, in_features,
+    IS_FP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < numel
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        total += tl.load(partial_ptr + split * numel + offsets, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + offsets % out_features, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+    """W [N, K] in x's dtype: ``e2m1 · s_b · decode_scale``, rounded once (the dense path's scratch weight)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    group = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    n_mask = n[:, None] < out_features
+    packed = tl.load(weight_ptr + n[:, None] * (in_features // 2) + byte[None, :],
+                     mask=n_mask & (byte[None, :] < in_features // 2), other=0)
+    scale_byte = tl.load(scales_ptr + n[:, None] * (in_features // 16) + group[None, :],
+                         mask=n_mask & (group[None, :] < in_features // 16), other=0)
+    weight = _scaled_tile(packed, scale_byte, IS_FP16).to(tl.float32) * tl.load(decode_scale_ptr)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + n[:, None] * in_features + k[None, :], weight.to(out_ptr.dtype.element_ty),
+             mask=n_mask & (k[None, :] < in_features))
+
+
+def _dense_linear(x, weight, scales, decode_scale, bias):
+    """Prefill sizes: dequantize W once into x's dtype (bf16), then one cuBLAS matmul."""
+    out_features, in_features = weight.shape[0], x.shape[1]
+    dense = torch.empty((out_features, in_features), dtype=x.dtype, device=x.device)
+    block_n, block_k = 16, 256
+    grid = (triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k))
+    _scaled_weight_kernel[grid](
+        weight, scales, decode_scale, dense, out_features, in_features,
+        IS_FP16=x.dtype == torch.float16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    if bias is None:
+        return torch.matmul(x, dense.T)
+    return torch.addmm(bias, x, dense.T)
+
+
+# Split-K tile counters: one int32 per output tile, per lane; each CUDA stream that launches the kernel gets
+# its own lane, so two streams never share a counter. Allocated once per device outside graph capture.
+_MAX_SPLIT_TILES = 1024
+_LANES = 16
+_counters: dict[int, torch.Tensor] = {}
+_stream_lanes: dict[tuple[int, int], int] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """This stream's zeroed counters for ``tiles`` tiles, or None (then the caller does not split K)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if tiles > _MAX_SPLIT_TILES:
+        return None
+    counters = _counters.get(index)
+    if counters is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None  # allocating would put the counters in the graph's pool, unzeroed outside replays
+        counters = _counters[index] = torch.zeros(_LANES * _MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    key = (index, torch.cuda.current_stream(device).cuda_stream)
+    lane = _stream_lanes.get(key)
+    if lane is None:
+        used = sum(1 for (dev, _) in _stream_lanes if dev == index)
+        if used >= _LANES:
+            return None
+        lane = _stream_lanes[key] = used
+    return counters[lane * _MAX_SPLIT_TILES:(lane + 1) * _MAX_SPLIT_TILES]
 
 
 def w4a16_linear(
@@ -187,34 +282,34 @@ def w4a16_linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    if weight.storage_offset() % 4:
-        weight = weight.clone()  # an int32 view needs 4-byte alignment
-    weight = weight.view(torch.int32)  # 8 codes per word: [N, K/8]
     scales = scales.contiguous().view(torch.uint8)
     decode_scale = decode_scale.reshape(())
     out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows == 0 or out_features == 0:
         return out
     if config is None:
+        if rows >= DENSE_FROM_ROWS and x.dtype == torch.bfloat16:
+            return _dense_linear(x, weight, scales, decode_scale, bias)
         config = pick_config(rows, out_features, in_features, sm_count(x.device.index or 0))
+    grid_n, grid_m = triton.cdiv(out_features, config.block_n), triton.cdiv(rows, config.block_m)
     k_steps = triton.cdiv(in_features, config.block_k)
     k_per_split = triton.cdiv(k_steps, config.split_k) * config.block_k
     splits = triton.cdiv(in_features, k_per_split)
-    target = out if splits == 1 else torch.empty((splits, rows, out_features), dtype=torch.float32, device=x.device)
+    counters = _split_counters(x.device, grid_n * grid_m) if splits > 1 else None
+    if counters is None:
+        splits, k_per_split = 1, k_steps * config.block_k
+        partials = counters = out  # any pointer: not read without a split
+    else:
+        partials = torch.empty(
+            (grid_n * grid_m, splits, config.block_n, config.block_m), dtype=torch.float32, device=x.device
+        )
     bias_arg = bias if bias is not None else decode_scale  # any pointer: not read without a bias
-    grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(rows, config.block_m), splits)
-    _w4a16_kernel[grid](
-        x, weight, scales, decode_scale, bias_arg, target,
-        rows, out_features, in_features, x.stride(0), rows * out_features, out_features, k_per_split,
-        HAS_BIAS=bias is not None and splits == 1,
+    _w4a16_kernel[(grid_n, grid_m, splits)](
+        x, weight, scales, decode_scale, bias_arg, out, partials, counters,
+        rows, out_features, in_features, x.stride(0), out_features, k_per_split,
+        HAS_BIAS=bias is not None, SPLIT_K=splits, IS_FP16=x.dtype == torch.float16,
+        EVEN_K=k_per_split * splits == in_features,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if splits > 1:
-        numel = rows * out_features
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(numel, block),)](
-            target, bias_arg, out, numel, out_features,
-            SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK=block,
-        )
     return out

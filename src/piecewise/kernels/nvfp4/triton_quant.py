@@ -18,6 +18,7 @@ from .reference import BLOCK
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 _QUANT_BLOCK_ROWS = 8
 _QUANT_BLOCK_GROUPS = 32  # scale blocks per program along K: 512 elements
+_QUANT_WARPS = 4
 
 
 @triton.jit
@@ -52,17 +53,19 @@ def e4m3_decode(byte):
 
 @triton.jit
 def e2m1_code(scaled):
-    """float32 in [-6, 6] → 4-bit E2M1 code (int32), ties to the even code; sign bit = sign bit of ``scaled``."""
-    magnitude = tl.abs(scaled)
-    code = (magnitude > 0.25).to(tl.int32)
-    code += (magnitude >= 0.75).to(tl.int32)
-    code += (magnitude > 1.25).to(tl.int32)
-    code += (magnitude >= 1.75).to(tl.int32)
-    code += (magnitude > 2.5).to(tl.int32)
-    code += (magnitude >= 3.5).to(tl.int32)
-    code += (magnitude > 5.0).to(tl.int32)
-    sign = (scaled.to(tl.int32, bitcast=True) >> 31) & 1
-    return code | (sign << 3)
+    """float32 → 4-bit E2M1 code (int32) of ``scaled`` clamped to [-6, 6], ties to the even code; the sign bit
+    is the sign bit of ``scaled``.
+
+    Round to nearest even on the grid's spacing: 0.5 below 2, 1 in [2, 4), 2 from 4. With d = max(exponent, 0)
+    (0, 1, 2), ``u = |x| · 2^(1-d)`` is exact, and ``rint(u) + 2d`` is the code: an even rint(u) is an even code.
+    """
+    bits = scaled.to(tl.int32, bitcast=True)
+    magnitude = tl.minimum((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), 6.0)
+    biased = tl.maximum(magnitude.to(tl.int32, bitcast=True) >> 23, 127)  # exponent + 127, at least 127
+    units = magnitude * ((255 - biased) << 23).to(tl.float32, bitcast=True)  # |x| · 2^(1-d) < 8, exact
+    # Adding 2^23 rounds u half to even and leaves rint(u) in the low mantissa bits: 0x4B000000 + rint(u).
+    rounded_bits = (units + 8388608.0).to(tl.int32, bitcast=True)
+    return (rounded_bits + 2 * biased - (0x4B000000 + 254)) | ((bits >> 28) & 0x8)
 
 
 @triton.jit
@@ -97,8 +100,7 @@ def _quantize_kernel(
     scale, scale_byte = e4m3_round(target)
     safe_scale = tl.where(scale > 0.0, scale, 1.0)
     ratio = tl.where(scale > 0.0, tl.math.div_rn(global_scale, safe_scale), 0.0)
-    scaled = tl.minimum(tl.maximum(x * ratio[:, :, None], -6.0), 6.0)
-    code = e2m1_code(scaled)
+    code = e2m1_code(x * ratio[:, :, None])  # clamps to ±6
     code = tl.where((scale > 0.0)[:, :, None], code, 0)
 
     low, high = tl.split(tl.reshape(code, (BLOCK_ROWS, BLOCK_GROUPS, 8, 2)))
@@ -172,7 +174,7 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool) 
     _quantize_kernel[grid](
         x, global_scale, packed, scales.view(torch.uint8),
         rows, groups, x.stride(0), scale_rows, scale_cols,
-        SWIZZLE=swizzle, BLOCK_ROWS=_QUANT_BLOCK_ROWS, BLOCK_GROUPS=_QUANT_BLOCK_GROUPS,
+        SWIZZLE=swizzle, BLOCK_ROWS=_QUANT_BLOCK_ROWS, BLOCK_GROUPS=_QUANT_BLOCK_GROUPS, num_warps=_QUANT_WARPS,
     )
     return packed, scales
 

@@ -1,0 +1,64 @@
+"""Inline PTX used by the Triton kernels, kept free of Triton so CPU tests can check it.
+
+``DECODE_ASM[dtype]`` turns 4 packed NVFP4 bytes into 8 16-bit floats; ``tests/test_nvfp4.py`` runs it through
+a small PTX emulator for every byte value.
+"""
+
+from __future__ import annotations
+
+
+def _decode_asm(out_dtype: str) -> str:
+    """PTX: 4 packed bytes (8 E2M1 codes) → 8 16-bit floats ``e2m1(c) · 2^bias``, as two outputs of 4.
+
+    Input ``$4``: the 4 bytes. Outputs ``$0``/``$1``: the values of the low nibbles of bytes 0..3, ``$2``/``$3``:
+    the high nibbles. Byte lookup tables (``prmt``: the 3 magnitude bits pick a byte, the sign bit ORs in 0x80);
+    14 instructions per 8 values (12 for f16, whose E2M1 values all have a zero low byte).
+    """
+    high = (_LUT_BF16_HIGH_0_3, _LUT_BF16_HIGH_4_7) if out_dtype == "bf16" else (_LUT_F16_HIGH_0_3, _LUT_F16_HIGH_4_7)
+    lines = [
+        "{",
+        ".reg .b32 sgn, sgn_lo, sgn_hi, mag, mag_hi, hi_lo, hi_hi, s_lo, s_hi, lo_lo, lo_hi;",
+        f"and.b32 sgn, $4, {_SIGN_BITS};",
+        "shr.u32 sgn_lo, sgn, 3;",  # sign of codes 0..3 at bit 0 of their nibble
+        "shr.u32 sgn_hi, sgn, 19;",  # codes 4..7
+        f"and.b32 mag, $4, {_MAGNITUDE_BITS};",
+        "shr.u32 mag_hi, mag, 16;",
+        f"prmt.b32 hi_lo, {high[0]}, {high[1]}, mag;",
+        f"prmt.b32 hi_hi, {high[0]}, {high[1]}, mag_hi;",
+        "prmt.b32 s_lo, 32768, 0, sgn_lo;",  # byte 1 of 32768 is 0x80: sign bit → 0x80, else 0x00
+        "prmt.b32 s_hi, 32768, 0, sgn_hi;",
+        "or.b32 hi_lo, hi_lo, s_lo;",
+        "or.b32 hi_hi, hi_hi, s_hi;",
+    ]
+    if out_dtype == "bf16":
+        lines += [
+            f"prmt.b32 lo_lo, {_LUT_BF16_LOW_0_3}, {_LUT_BF16_LOW_4_7}, mag;",
+            f"prmt.b32 lo_hi, {_LUT_BF16_LOW_0_3}, {_LUT_BF16_LOW_4_7}, mag_hi;",
+        ]
+    else:
+        lines += ["mov.b32 lo_lo, 0;", "mov.b32 lo_hi, 0;"]
+    # Code i of the word sits in byte i of the (lo_*, hi_*) pairs; bytes 0, 2 are low nibbles, 1, 3 high ones.
+    lines += [
+        "prmt.b32 $0, lo_lo, hi_lo, 25152;",  # 0x6240: codes 0, 2 (low nibbles of bytes 0, 1)
+        "prmt.b32 $1, lo_hi, hi_hi, 25152;",  # codes 4, 6 (bytes 2, 3)
+        "prmt.b32 $2, lo_lo, hi_lo, 29521;",  # 0x7351: codes 1, 3 (high nibbles of bytes 0, 1)
+        "prmt.b32 $3, lo_hi, hi_hi, 29521;",
+        "}",
+    ]
+    return "\n".join(lines)
+
+
+# prmt byte tables (signed 32-bit decimals, the form PTX immediates take): byte c = a byte of e2m1(c) · 2^bias.
+# bf16: bias 120 (0.5·2^120 = 0x7B00 ... 6·2^120 = 0x7CC0); f16: bias 8 (0.5·2^8 = 0x5800 ... 6·2^8 = 0x6600).
+_LUT_BF16_LOW_0_3 = -1065353216  # 0xC0800000: low bytes for codes 0..3
+_LUT_BF16_LOW_4_7 = -1065336832  # 0xC0804000: codes 4..7
+_LUT_BF16_HIGH_0_3 = 0x7B7B7B00
+_LUT_BF16_HIGH_4_7 = 0x7C7C7C7C
+_LUT_F16_HIGH_0_3 = 0x5E5C5800
+_LUT_F16_HIGH_4_7 = 0x66646260
+_SIGN_BITS = -2004318072  # 0x88888888
+_MAGNITUDE_BITS = 2004318071  # 0x77777777
+
+
+DECODE_ASM = {"bf16": _decode_asm("bf16"), "f16": _decode_asm("f16")}
+"""PTX for ``tl.inline_asm_elementwise(..., constraints="=r,=r,=r,=r,r", pack=4)``, by output dtype."""
