@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,8 +36,6 @@ class OpaqueOpInfo:
     split: bool
     eager_calls: int = 0
     """How often the body ran (outside tracing: the body never runs while Dynamo traces)."""
-    seen: set[tuple[str, str]] = field(default_factory=set)
-    """(dtype, device) pairs of the tensor arguments the body ran with: the prewarmed variants."""
     impl: Callable | None = None
     """The Python body; the runtime calls it directly between pieces, skipping dispatcher overhead."""
 
@@ -88,12 +86,6 @@ def _first_tensor(values: Iterable[Any]) -> torch.Tensor | None:
     return next(_tensors(values), None)
 
 
-def _record_call(info: OpaqueOpInfo, args: tuple, kwargs: dict) -> None:
-    info.eager_calls += 1
-    for tensor in _tensors((*args, *kwargs.values())):
-        info.seen.add((str(tensor.dtype), tensor.device.type))
-
-
 def _default_fake(qualified: str, returns: str) -> Callable:
     returns = returns.strip()
     if returns == "()":
@@ -131,7 +123,7 @@ def _register(
     info = OpaqueOpInfo(name=qualified, split=split)
 
     def body(*args, **kwargs):
-        _record_call(info, args, kwargs)
+        info.eager_calls += 1  # only a counter: the runtime calls this between pieces on every step
         return impl(*args, **kwargs)
 
     info.impl = body
