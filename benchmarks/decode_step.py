@@ -143,11 +143,8 @@ def main() -> int:
     results: dict[str, dict[int, float]] = {}
     errors: dict[str, dict[int, float]] = {}
 
-    def record(variant, batch, ms, out=None, ref=None):
-        if ms is not None:
-            results.setdefault(variant, {})[batch] = ms
-        if out is not None and ref is not None:
-            errors.setdefault(variant, {})[batch] = float((out.float() - ref.float()).norm() / ref.float().norm())
+    def record_error(variant, batch, out, ref):
+        errors.setdefault(variant, {})[batch] = float((out.float() - ref.float()).norm() / ref.float().norm())
 
     refs = {}
     steps: dict[int, dict] = {b: {} for b in BATCHES}  # batch → variant → step function
@@ -158,11 +155,11 @@ def main() -> int:
             steps[batch]["eager"] = lambda ids=ids, positions=positions: model(ids, positions, cache)
             step, out = full_graph(model, ids, positions, cache)
             step()
-            record("full graph", batch, None, out, refs[batch])
+            record_error("full graph", batch, out, refs[batch])
             steps[batch]["full graph"] = step
             step, out = hand_piecewise(model, ids, positions, cache)
             step()
-            record("hand piecewise (floor)", batch, None, out, refs[batch])
+            record_error("hand piecewise (floor)", batch, out, refs[batch])
             steps[batch]["hand piecewise (floor)"] = step
 
     capture = {}
@@ -190,7 +187,7 @@ def main() -> int:
         for batch in BATCHES:
             ids, positions, _ = inputs(batch, cache, L16.vocab_size)
             out = runner(ids, positions, cache)
-            record(name, batch, None, out, refs[batch])
+            record_error(name, batch, out, refs[batch])
             steps[batch][name] = lambda r=runner, ids=ids, positions=positions: r(ids, positions, cache)
 
     if not args.skip_inductor:
@@ -204,7 +201,7 @@ def main() -> int:
                 out = compiled(ids, positions, cache)
                 out = compiled(ids, positions, cache).clone()
                 capture.setdefault(name, {})[f"first_calls_seconds_B{batch}"] = time.perf_counter() - started
-                record(name, batch, None, out, refs[batch])
+                record_error(name, batch, out, refs[batch])
                 steps[batch][name] = lambda ids=ids, positions=positions: compiled(ids, positions, cache)
 
     if args.gc_freeze:

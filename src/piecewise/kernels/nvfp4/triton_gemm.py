@@ -6,12 +6,12 @@ weight never takes a round trip through shared memory. The activation tile is th
 tl.dot needs at least 16 columns: decode (M < 16) pads the token block to 16 — the tensor cores have spare
 capacity there, the kernel is bound by the weight bytes.
 
-Weight decode (``_decode_asm``): inline PTX turns 4 packed bytes (8 codes) into 8 bf16/f16 values with byte
+Weight decode (``ptx.DECODE_ASM``): inline PTX turns 4 packed bytes (8 codes) into 8 bf16/f16 values with byte
 lookup tables (``prmt``), 14 instructions per 8 values, giving ``e2m1 · 2^120`` (bf16) or ``e2m1 · 2^8`` (f16).
 The E4M3 block scale becomes a 16-bit float by a shift (``s · 2^-120`` / ``s · 2^-8``), and one packed multiply
 gives ``e2m1 · s_b`` exactly (≤ 6 significant bits, in range). The tensor decode scale multiplies the float32
 accumulator once at the end. On sm_90 the M ≤ 16 loop compiles to ~7.9 SASS instructions per weight element,
-about half of them the decode; the rest are wgmma issue, address and pipeline bookkeeping.
+about 3 of them the decode and scale; the rest are wgmma issue, address and pipeline bookkeeping.
 
 Launch configuration comes from a fixed table keyed on M (``pick_config``), never from autotuning, so the first
 call inside a CUDA-graph capture launches exactly what eager calls launch. For few output tiles (small M) the K
@@ -128,6 +128,18 @@ def _scaled_tile(packed, scale_byte, IS_FP16: tl.constexpr):
 
 
 @triton.jit
+def _store_tile(acc, n, m, decode_scale_ptr, bias_ptr, out_ptr, out_features, rows, stride_out_row,
+                HAS_BIAS: tl.constexpr):
+    """out[m, n] = acc[n, m] · decode_scale (+ bias[n]), in the output dtype."""
+    n_mask = n < out_features
+    acc = acc * tl.load(decode_scale_ptr)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + m[None, :] * stride_out_row + n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (m[None, :] < rows))
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, weight_ptr, scales_ptr, decode_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     rows, out_features, in_features, stride_x_row, stride_out_row, k_per_split,
@@ -144,7 +156,6 @@ def _w4a16_kernel(
     byte = tl.arange(0, BLOCK_K // 2)
     group = tl.arange(0, BLOCK_K // 16)
     k_offsets = tl.arange(0, BLOCK_K)
-    n_mask = n < out_features
     m_mask = m < rows
     # Rows past N read row N-1 (never stored): the weight loads need no row mask.
     n_rows = tl.minimum(n, out_features - 1)
@@ -166,16 +177,12 @@ def _w4a16_kernel(
         weight = _scaled_tile(packed, scale_byte, IS_FP16)
 
         k_index = k0 + k_offsets
-        if EVEN_K:
-            x_t = tl.load(x_ptr + m[None, :] * stride_x_row + k_index[:, None], mask=m_mask[None, :], other=0.0)
-        else:
-            x_t = tl.load(
-                x_ptr + m[None, :] * stride_x_row + k_index[:, None],
-                mask=m_mask[None, :] & (k_index[:, None] < in_features), other=0.0,
-            )
+        x_mask = m_mask[None, :]
+        if not EVEN_K:
+            x_mask = x_mask & (k_index[:, None] < in_features)
+        x_t = tl.load(x_ptr + m[None, :] * stride_x_row + k_index[:, None], mask=x_mask, other=0.0)
         acc = tl.dot(weight, x_t, acc)
 
-    out_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K > 1:
         # Serial reduction in one launch: every split stores its partial tile, the last split of the tile to
         # arrive (an acq_rel counter) adds them in split order (deterministic) and resets the counter.
@@ -190,17 +197,9 @@ def _w4a16_kernel(
             for other in tl.static_range(SPLIT_K):
                 acc += tl.load(tile_partials + other * (BLOCK_N * BLOCK_M) + local, cache_modifier=".cg")
             tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-            acc = acc * tl.load(decode_scale_ptr)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            out = out_ptr + m[None, :] * stride_out_row + n[:, None]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _store_tile(acc, n, m, decode_scale_ptr, bias_ptr, out_ptr, out_features, rows, stride_out_row, HAS_BIAS)
     else:
-        acc = acc * tl.load(decode_scale_ptr)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        out = out_ptr + m[None, :] * stride_out_row + n[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _store_tile(acc, n, m, decode_scale_ptr, bias_ptr, out_ptr, out_features, rows, stride_out_row, HAS_BIAS)
 
 
 @triton.jit
