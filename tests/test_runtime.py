@@ -39,6 +39,8 @@ def test_example_equals_eager_for_every_token_count(layers):
     assert stats["traces"] == 1
     assert stats["cuda_graphs"] is False and stats["graphs"] == 0 and stats["replays"] == 0
     assert stats["fallback_calls"] == 3
+    # every call after the first one skips Dynamo's frame hook (guard check + transformed code)
+    assert stats["direct_calls"] == config.max_tokens + 2
     assert stats["prewarm_seconds"] > 0
     assert runner.token_arguments == {"input_ids": 0, "positions": 0}
 
@@ -154,6 +156,36 @@ def test_changed_python_argument_retraces_with_one_warning_and_stays_correct():
             out = runner(x, 3.0)
         torch.testing.assert_close(out, model(x, 3.0))
     assert runner.stats["traces"] == 2
+
+
+def test_changed_module_attribute_is_caught_by_the_guards_of_the_direct_call():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.scale = 2.0
+
+        def forward(self, x):
+            return self.linear(x) * self.scale
+
+    model = Scaled()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        runner(x)
+        torch.testing.assert_close(runner(x), model(x))
+        assert runner.stats["direct_calls"] == 1
+        model.scale = 3.0
+        with pytest.warns(UserWarning, match="traced again"):
+            out = runner(x)
+        torch.testing.assert_close(out, model(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # global state is guarded too
+            with pytest.warns(UserWarning, match="traced again"):
+                out = runner(x)
+            ref = model(x)
+        assert out.dtype == ref.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ref)
+    assert runner.stats["traces"] == 3 and runner.stats["direct_calls"] == 1
 
 
 def test_no_splitting_ops_gives_one_piece():

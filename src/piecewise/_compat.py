@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -73,6 +73,26 @@ def fresh_method(method: types.MethodType) -> types.MethodType:
     copy.__module__ = function.__module__
     copy.__wrapped__ = function
     return types.MethodType(copy, method.__self__)
+
+
+def compiled_entry(code: types.CodeType) -> tuple[types.CodeType, Callable[[dict], bool]] | None:
+    """Dynamo's one compiled entry for ``code``: (transformed bytecode, guard check), or None.
+
+    None when there is not exactly one entry, or this torch does not expose them.
+    """
+    get = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if get is None:
+        return None
+    entries = get(code)
+    if len(entries) != 1:
+        return None
+    entry = entries[0]
+    manager = getattr(entry, "guard_manager", None)
+    check = getattr(manager, "check", None)
+    transformed = getattr(entry, "code", None)
+    if check is None or not isinstance(transformed, types.CodeType):
+        return None
+    return transformed, check
 
 
 def non_owning_alias(tensor: torch.Tensor) -> torch.Tensor:

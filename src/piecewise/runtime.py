@@ -80,6 +80,7 @@ class PiecewiseModel:
             "fallback_calls": 0,
             "padded_calls": 0,
             "traces": 0,
+            "direct_calls": 0,
             "graph_breaks": 0,
             "prewarm_seconds": 0.0,
             "compile_seconds": 0.0,
@@ -223,6 +224,7 @@ class PiecewiseModel:
             self.stats["traces"] += 1
         self.stats["splitting_op_calls"] = state.splitting_op_calls
         self.stats["replays"] += state.replays - replays
+        self.stats["direct_calls"] = self._tracer.direct_calls
         return output
 
     def _stage(self, arguments: dict[str, Any], rows: int, size: int) -> dict[str, Any]:

@@ -3,11 +3,16 @@
 ``fullgraph=True`` first. If Dynamo cannot trace something, ``strict=True`` raises
 ``CaptureBlockedError`` (what, where, how to fix); the default lists every blocker once as a warning and
 traces again with graph breaks allowed: each untraceable region then runs eagerly between captured pieces.
+
+After the one full-graph trace, calls skip Dynamo's frame hook (``DirectCall``): Dynamo's own guard check,
+then its transformed bytecode called as a plain function. A failing guard goes back through Dynamo.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +24,52 @@ from . import _compat
 logger = logging.getLogger(__name__)
 
 
+class DirectCall:
+    """The compiled forward without Dynamo's per-call frame machinery.
+
+    Dynamo's hook around a compiled frame costs far more than its guard check (hundreds of µs per call
+    against ~10 µs, measured on the 16-layer decode model), which matters when the rest of a step is
+    CUDA-graph replays. This runs the same guard check, then the same transformed bytecode (which gathers
+    the graph inputs, calls the backend's runner, rebuilds the output and replays side effects).
+    """
+
+    def __init__(self, method: types.MethodType, code: types.CodeType, check):
+        function = method.__func__
+        self.owner = method.__self__
+        self.check = check
+        self.function = types.FunctionType(
+            code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+        )
+        self.function.__kwdefaults__ = function.__kwdefaults__
+        self.self_name = code.co_varnames[0]
+        self.defaults = {
+            name: p.default
+            for name, p in inspect.signature(function).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+
+    @classmethod
+    def build(cls, method: types.MethodType) -> DirectCall | None:
+        function = getattr(method, "__func__", None)
+        if not isinstance(function, types.FunctionType):
+            return None
+        entry = _compat.compiled_entry(function.__code__)
+        if entry is None:
+            return None
+        code, check = entry
+        if code.co_freevars != function.__code__.co_freevars or code.co_argcount != function.__code__.co_argcount:
+            return None
+        if function.__code__.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS):
+            return None
+        return cls(method, code, check)
+
+    def __call__(self, kwargs: dict) -> tuple[bool, Any]:
+        frame_locals = {**self.defaults, **kwargs, self.self_name: self.owner}
+        if not self.check(frame_locals):
+            return False, None
+        return True, self.function(self.owner, **kwargs)
+
+
 class ForwardTracer:
     """Calls the Dynamo-compiled forward; handles the first trace's failure modes."""
 
@@ -26,15 +77,22 @@ class ForwardTracer:
         self.model = model
         self.backend = backend
         self.strict = strict
+        self.method = _compat.fresh_method(model.forward)
         self.compiled = torch.compile(
-            _compat.fresh_method(model.forward), backend=backend, fullgraph=True, dynamic=False,
-            options=_compat.compile_options(),
+            self.method, backend=backend, fullgraph=True, dynamic=False, options=_compat.compile_options()
         )
         self.graph_breaks = False
         self.blockers: list[Any] = []
         self.first_trace_done = False
+        self.direct: DirectCall | None = None
+        self.direct_calls = 0
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        if self.direct is not None and not args:
+            done, output = self.direct(kwargs)
+            if done:
+                self.direct_calls += 1
+                return output
         try:
             if self.first_trace_done:
                 return self.compiled(*args, **kwargs)
@@ -49,6 +107,8 @@ class ForwardTracer:
                 raise inner from None
             raise
         self.first_trace_done = True
+        if not self.graph_breaks:
+            self.direct = DirectCall.build(self.method)
         return output
 
     def _trace_with_breaks(self, exc: Exception, args: tuple, kwargs: dict) -> Any:
