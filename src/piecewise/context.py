@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -27,11 +25,18 @@ def context() -> ForwardContext | None:
     return _current[-1] if _current else None
 
 
-@contextlib.contextmanager
-def forward_context(num_tokens: int, padded_tokens: int, capturing: bool = False) -> Iterator[ForwardContext]:
-    ctx = ForwardContext(num_tokens, padded_tokens, capturing)
-    _current.append(ctx)
-    try:
-        yield ctx
-    finally:
+class forward_context:
+    """``with forward_context(num_tokens, padded_tokens):`` makes that context current (a plain class: this
+    runs on every call, and a generator-based context manager costs several times more)."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, num_tokens: int, padded_tokens: int, capturing: bool = False):
+        self.ctx = ForwardContext(num_tokens, padded_tokens, capturing)
+
+    def __enter__(self) -> ForwardContext:
+        _current.append(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc_info) -> None:
         _current.pop()

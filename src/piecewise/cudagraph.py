@@ -12,6 +12,7 @@ Invariants that make replay correct:
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -205,7 +206,9 @@ class SplitOpRunner:
         flat = [outputs] if self.single_output else list(outputs)
         self.token_outputs = [_is_token_tensor(v) for v in flat]
         self.buffers: list[torch.Tensor | None] = [None] * len(flat)
+        self.views: list[dict[int, torch.Tensor]] = [{} for _ in flat]
         self.dirty_rows = [0] * len(flat)
+        self.sliced: dict[tuple[int, int], tuple[tuple, list]] = {}
         self.call = self._direct_call(module) or module.forward
 
     @staticmethod
@@ -233,6 +236,16 @@ class SplitOpRunner:
         if keyword or any(isinstance(a, (list, tuple, dict)) for a in positional):
             return None
         impl = info.impl
+        leading = [i for i, _ in getters if i is not None]
+        trailing = tuple(const for i, const in getters[len(leading) :])
+        if leading == list(range(len(leading))) and len(placeholders) == len(leading) and all(
+            i is None for i, _ in getters[len(leading) :]
+        ):  # placeholders in order, constants last (the usual shape): no per-call list
+
+            def call(*args):
+                return impl(*args, *trailing)
+
+            return call
 
         def call(*args):
             return impl(*[args[i] if i is not None else const for i, const in getters])
@@ -242,14 +255,26 @@ class SplitOpRunner:
     def __call__(self, *args):
         state = self.state
         state.splitting_op_calls += 1
-        if state.phase == DIRECT:
+        phase = state.phase
+        if phase == DIRECT:
             return self.call(*args)
-        rows = state.num_tokens
-        call_args = [a[:rows] if token else a for a, token in zip(args, self.token_inputs)]
+        rows, size = state.num_tokens, state.size
+        call_args = args if rows == size else self._real_rows(args, rows, size, phase == REPLAY)
         result = self.call(*call_args)
-        flat = [result] if self.single_output else list(result)
-        staged = [self._stage(i, value, rows, state.size) for i, value in enumerate(flat)]
-        return staged[0] if self.single_output else tuple(staged)
+        if self.single_output:
+            return self._stage(0, result, rows, size)
+        return tuple(self._stage(i, value, rows, size) for i, value in enumerate(result))
+
+    def _real_rows(self, args: tuple, rows: int, size: int, keep: bool) -> list:
+        """The first ``rows`` rows of each token argument. On replay the arguments are the same tensors
+        every time (piece outputs, static buffers), so the views are made once per (size, rows)."""
+        cached = self.sliced.get((size, rows))
+        if cached is not None and len(cached[0]) == len(args) and all(map(operator.is_, cached[0], args)):
+            return cached[1]
+        call_args = [a[:rows] if token else a for a, token in zip(args, self.token_inputs)]
+        if keep:
+            self.sliced[(size, rows)] = (args, call_args)
+        return call_args
 
     def _stage(self, index: int, value: Any, rows: int, size: int) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -270,11 +295,19 @@ class SplitOpRunner:
         if not token:
             buffer.copy_(value)
             return buffer
-        buffer[:rows].copy_(value)
-        if self.dirty_rows[index] > rows:  # rows a larger earlier call wrote: padding must read zeros
-            buffer[rows : self.dirty_rows[index]].zero_()
+        views = self.views[index]  # leading-row views of the buffer, made once per row count
+        target = views.get(rows)
+        if target is None:
+            target = views[rows] = buffer[:rows]
+        target.copy_(value)
+        dirty = self.dirty_rows[index]
+        if dirty > rows:  # rows a larger earlier call wrote: padding must read zeros
+            buffer[rows:dirty].zero_()
         self.dirty_rows[index] = rows
-        return buffer[:size]
+        padded = views.get(size)
+        if padded is None:
+            padded = views[size] = buffer[:size]
+        return padded
 
 
 class GraphRunner:

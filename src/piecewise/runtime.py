@@ -232,13 +232,16 @@ class PiecewiseModel:
         staged = dict(arguments)
         for name in self._dynamic:
             value = arguments[name]
-            key = (name, value.dtype, value.device, tuple(value.shape[1:]))
+            key = (name, value.dtype, value.device, value.shape[1:])
             buffer = self._input_buffers.get(key)
             if buffer is None:
                 buffer = torch.zeros((self.config.max_tokens, *value.shape[1:]), dtype=value.dtype, device=value.device)
                 self._input_buffers[key] = buffer
                 self.state.stable_ptrs.add(buffer.data_ptr())
-            buffer[:rows].copy_(value[:rows])
+            target = self._aliases.get((key, -rows))
+            if target is None:
+                target = self._aliases[(key, -rows)] = buffer[:rows]
+            target.copy_(value)
             dirty = self._dirty_rows.get(key, 0)
             if dirty > rows:
                 buffer[rows:dirty].zero_()
@@ -261,10 +264,12 @@ class PiecewiseModel:
             token = token_ids.get(id(value))
             if token is None:  # not from a symbolic graph (Python after a break): go by the padded length
                 token = value.dim() > 0 and value.shape[0] == size
-            if token:
+            if token and tokens != size:
                 value = value[:tokens]
             return value.clone() if clone else value
 
+        if isinstance(output, torch.Tensor):  # the usual case, without the pytree walk
+            return fix(output)
         return torch.utils._pytree.tree_map(fix, output)
 
     # --- first call: warm-up, trace, capture ---------------------------------------------------------------
