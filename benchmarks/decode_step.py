@@ -40,7 +40,7 @@ def sample_ms(fn, iters: int = ITERS) -> float:
 
 def round_robin_ms(steps: dict, rounds: int = ROUNDS) -> dict:
     """Median per variant of ``rounds`` samples taken in turn (variant A, B, C, A, B, C, ...), so clock and
-    host drift hit every variant alike."""
+    host drift hit every variant alike, and a spell of host contention lands in few samples of each."""
     for fn in steps.values():
         for _ in range(5):
             fn()
@@ -207,10 +207,10 @@ def main() -> int:
     if args.gc_freeze:
         gc.collect()
         gc.freeze()  # Python's collector no longer walks the compiled artifacts on every collection
-    with torch.no_grad():
-        for batch in BATCHES:
-            for variant, ms in round_robin_ms(steps[batch]).items():
-                results.setdefault(variant, {})[batch] = ms
+    with torch.no_grad():  # one round samples every (batch, variant) pair once
+        every = {(batch, variant): fn for batch in BATCHES for variant, fn in steps[batch].items()}
+        for (batch, variant), ms in round_robin_ms(every).items():
+            results.setdefault(variant, {})[batch] = ms
     for runner in runners:
         name = f"piecewise ({runner.config.compiler} pieces)"
         capture[name]["traces_after_all_batches"] = runner.stats["traces"]
@@ -228,7 +228,8 @@ def main() -> int:
         "",
         *(f"- {k}: {v}" for k, v in meta.items()),
         "",
-        f"ms per step (host-inclusive wall time: median of {ROUNDS} samples of {ITERS} calls, variants sampled in turn); "
+        f"ms per step (host-inclusive wall time: median of {ROUNDS} samples of {ITERS} calls; each round samples every "
+        "batch and variant in turn); "
         "rel. error vs eager in brackets",
         "",
         "| variant | " + " | ".join(f"B={b}" for b in BATCHES) + " |",
