@@ -188,6 +188,33 @@ def test_changed_module_attribute_is_caught_by_the_guards_of_the_direct_call():
     assert runner.stats["traces"] == 3 and runner.stats["direct_calls"] == 1
 
 
+def test_direct_call_keeps_defaults_keyword_arguments_and_closures():
+    offset = torch.randn(4)
+
+    class WithDefaults(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x, scale: float = 2.0, *, shift: torch.Tensor | None = None):
+            out = self.linear(x) * scale + offset  # offset: a closure cell of the forward
+            return out if shift is None else out + shift
+
+    model = WithDefaults()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    shift = torch.randn(4)
+    with torch.no_grad():
+        for tokens in (3, 5, 1):
+            x = torch.randn(tokens, 4)
+            torch.testing.assert_close(runner(x, shift=shift), model(x, shift=shift))
+        assert runner.stats["traces"] == 1 and runner.stats["direct_calls"] == 2
+        offset.add_(1.0)  # the closure's tensor changed in place: the graph reads it, no retrace needed
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(runner(x, shift=shift), model(x, shift=shift))
+        with pytest.raises(ValueError, match="static argument 'shift' was a tensor at capture and is not given"):
+            runner(x)
+
+
 def test_no_splitting_ops_gives_one_piece():
     model, (ids, positions, cache) = example(tokens=4)
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, splitting_ops=()))

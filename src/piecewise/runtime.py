@@ -168,7 +168,14 @@ class PiecewiseModel:
     def _check_static(self, arguments: dict[str, Any]) -> None:
         for name, pointer in self._static_ptrs.items():
             value = arguments.get(name)
-            if not isinstance(value, torch.Tensor) or value.data_ptr() != pointer:
+            if not isinstance(value, torch.Tensor):
+                given = "not given" if name not in arguments else f"a {type(value).__name__}"
+                raise ValueError(
+                    f"piecewise: static argument {name!r} was a tensor at capture and is {given} now. Captured "
+                    f"graphs read it in place: pass the same tensor on every call, or compile a separate runner "
+                    f"for calls without it"
+                )
+            if value.data_ptr() != pointer:
                 raise ValueError(
                     f"piecewise: static argument {name!r} is not the tensor seen at capture (its storage moved). "
                     f"Captured graphs read static arguments in place: write new contents into the same tensor "

@@ -42,6 +42,7 @@ class DirectCall:
         )
         self.function.__kwdefaults__ = function.__kwdefaults__
         self.self_name = code.co_varnames[0]
+        self.cells = tuple(zip(function.__code__.co_freevars, function.__closure__ or ()))
         self.defaults = {
             name: p.default
             for name, p in inspect.signature(function).parameters.items()
@@ -65,6 +66,8 @@ class DirectCall:
 
     def __call__(self, kwargs: dict) -> tuple[bool, Any]:
         frame_locals = {**self.defaults, **kwargs, self.self_name: self.owner}
+        for name, cell in self.cells:  # Dynamo's guards see closure variables as frame locals
+            frame_locals[name] = cell.cell_contents
         if not self.check(frame_locals):
             return False, None
         return True, self.function(self.owner, **kwargs)
