@@ -52,20 +52,20 @@ def e4m3_decode(byte):
 
 
 @triton.jit
-def e2m1_code(scaled):
+def e2m1_code(scaled, sign_mask):
     """float32 → 4-bit E2M1 code (int32) of ``scaled`` clamped to [-6, 6], ties to the even code; the sign bit
-    is the sign bit of ``scaled``.
+    is the sign bit of ``scaled`` where ``sign_mask`` is 8, and 0 where it is 0.
 
     Round to nearest even on the grid's spacing: 0.5 below 2, 1 in [2, 4), 2 from 4. With d = max(exponent, 0)
     (0, 1, 2), ``u = |x| · 2^(1-d)`` is exact, and ``rint(u) + 2d`` is the code: an even rint(u) is an even code.
     """
     bits = scaled.to(tl.int32, bitcast=True)
-    magnitude = tl.minimum((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), 6.0)
+    magnitude = tl.minimum(tl.abs(scaled), 6.0)
     biased = tl.maximum(magnitude.to(tl.int32, bitcast=True) >> 23, 127)  # exponent + 127, at least 127
     units = magnitude * ((255 - biased) << 23).to(tl.float32, bitcast=True)  # |x| · 2^(1-d) < 8, exact
     # Adding 2^23 rounds u half to even and leaves rint(u) in the low mantissa bits: 0x4B000000 + rint(u).
     rounded_bits = (units + 8388608.0).to(tl.int32, bitcast=True)
-    return (rounded_bits + 2 * biased - (0x4B000000 + 254)) | ((bits >> 28) & 0x8)
+    return (rounded_bits + 2 * biased - (0x4B000000 + 254)) | ((bits >> 28) & sign_mask)
 
 
 @triton.jit
@@ -79,35 +79,56 @@ def e2m1_value(code):
 
 
 @triton.jit
+def _div6(value):
+    """``value / 6`` correctly rounded, without a division: an FMA-corrected product with RN(1/6).
+
+    Exact quotients m/6 lie at least 1/6 ulp from a rounding midpoint, and the corrected product is within
+    ~2^-24 ulp of the quotient, so it rounds the same way (checked for every float32 significand)."""
+    inverse = 0.16666666666666666
+    quotient = value * inverse
+    remainder = tl.math.fma(-quotient, 6.0, value)
+    return tl.math.fma(remainder, inverse, quotient)
+
+
+@triton.jit
+def _pack_half(codes, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """8 codes per block → 4 bytes, the first code in the low nibble."""
+    low, high = tl.split(tl.reshape(codes, (BLOCK_ROWS, BLOCK_GROUPS, 4, 2)))
+    return (low | (high << 4)).to(tl.uint8)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, global_scale_ptr, packed_ptr, scales_ptr,
     rows, groups, stride_x_row, scale_rows, scale_cols,
     SWIZZLE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
 ):
     # The grid covers scale_rows x scale_cols (padded when swizzled) so padding scales are written as zeros.
+    # Each block of 16 is loaded as two halves of 8 with the same layout, so one thread holds a whole block:
+    # the block maximum needs no shuffle, and the per-block scale arithmetic runs once, not once per thread.
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
-    lane = tl.arange(0, 16)
+    lane = tl.arange(0, 8)[None, None, :]
     row3 = row[:, None, None]
     group3 = group[None, :, None]
     in_bounds = (row3 < rows) & (group3 < groups)
-    x = tl.load(x_ptr + row3 * stride_x_row + group3 * 16 + lane[None, None, :], mask=in_bounds, other=0.0)
-    x = x.to(tl.float32)
+    first = x_ptr + row3 * stride_x_row + group3 * 16 + lane
+    x_low = tl.load(first, mask=in_bounds, other=0.0).to(tl.float32)
+    x_high = tl.load(first + 8, mask=in_bounds, other=0.0).to(tl.float32)
     global_scale = tl.load(global_scale_ptr)
 
-    amax = tl.max(tl.abs(x), axis=2)
-    target = tl.minimum(tl.math.div_rn(global_scale * amax, 6.0), 448.0)
+    amax = tl.maximum(tl.max(tl.abs(x_low), axis=2), tl.max(tl.abs(x_high), axis=2))
+    target = tl.minimum(_div6(global_scale * amax), 448.0)
     scale, scale_byte = e4m3_round(target)
-    safe_scale = tl.where(scale > 0.0, scale, 1.0)
-    ratio = tl.where(scale > 0.0, tl.math.div_rn(global_scale, safe_scale), 0.0)
-    code = e2m1_code(x * ratio[:, :, None])  # clamps to ±6
-    code = tl.where((scale > 0.0)[:, :, None], code, 0)
+    nonzero = scale > 0.0
+    ratio = tl.where(nonzero, tl.math.div_rn(global_scale, tl.where(nonzero, scale, 1.0)), 0.0)
+    sign_mask = tl.where(nonzero, 8, 0)  # an all-zero block gives code 0 everywhere, -0 included
+    code_low = e2m1_code(x_low * ratio[:, :, None], sign_mask[:, :, None])
+    code_high = e2m1_code(x_high * ratio[:, :, None], sign_mask[:, :, None])
 
-    low, high = tl.split(tl.reshape(code, (BLOCK_ROWS, BLOCK_GROUPS, 8, 2)))
-    packed = (low | (high << 4)).to(tl.uint8)
-    half = tl.arange(0, 8)
-    packed_mask = (row3 < rows) & (group3 < groups)
-    tl.store(packed_ptr + row3 * (groups * 8) + group3 * 8 + half[None, None, :], packed, mask=packed_mask)
+    out = packed_ptr + row3 * (groups * 8) + group3 * 8 + tl.arange(0, 4)[None, None, :]
+    tl.store(out, _pack_half(code_low, BLOCK_ROWS, BLOCK_GROUPS), mask=in_bounds)
+    tl.store(out + 4, _pack_half(code_high, BLOCK_ROWS, BLOCK_GROUPS), mask=in_bounds)
 
     row2 = row[:, None]
     group2 = group[None, :]
