@@ -18,7 +18,7 @@ from .reference import BLOCK
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 _QUANT_BLOCK_ROWS = 8
 _QUANT_BLOCK_GROUPS = 32  # scale blocks per program along K: 512 elements
-_QUANT_WARPS = 4
+_QUANT_WARPS = 2
 
 
 @triton.jit
