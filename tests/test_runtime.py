@@ -215,6 +215,31 @@ def test_direct_call_keeps_defaults_keyword_arguments_and_closures():
             runner(x)
 
 
+def test_direct_call_that_cannot_check_guards_falls_back_to_dynamo(caplog):
+    class Doubled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x) * 2
+
+    model = Doubled()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        runner(x)
+
+        def incompatible(frame_locals):  # what a torch with another guard-check signature would do
+            raise TypeError("check() needs a frame")
+
+        runner._tracer.direct.check = incompatible
+        for _ in range(2):
+            torch.testing.assert_close(runner(x), model(x))
+    assert runner.stats["direct_calls"] == 0 and runner.stats["traces"] == 1
+    assert "calls go through Dynamo" in caplog.text
+
+
 def test_no_splitting_ops_gives_one_piece():
     model, (ids, positions, cache) = example(tokens=4)
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, splitting_ops=()))

@@ -42,6 +42,7 @@ class DirectCall:
         )
         self.function.__kwdefaults__ = function.__kwdefaults__
         self.self_name = code.co_varnames[0]
+        self.broken = False
         self.cells = tuple(zip(function.__code__.co_freevars, function.__closure__ or ()))
         self.defaults = {
             name: p.default
@@ -68,7 +69,13 @@ class DirectCall:
         frame_locals = {**self.defaults, **kwargs, self.self_name: self.owner}
         for name, cell in self.cells:  # Dynamo's guards see closure variables as frame locals
             frame_locals[name] = cell.cell_contents
-        if not self.check(frame_locals):
+        try:
+            passed = self.check(frame_locals)
+        except Exception as exc:  # a torch whose guard check wants more than the frame's locals
+            logger.warning("piecewise: Dynamo's guard check cannot be called directly (%s); calls go through Dynamo", exc)
+            self.broken = True
+            return False, None
+        if not passed:
             return False, None
         return True, self.function(self.owner, **kwargs)
 
@@ -96,6 +103,8 @@ class ForwardTracer:
             if done:
                 self.direct_calls += 1
                 return output
+            if self.direct.broken:
+                self.direct = None
         try:
             if self.first_trace_done:
                 return self.compiled(*args, **kwargs)
