@@ -240,6 +240,29 @@ def test_direct_call_that_cannot_check_guards_falls_back_to_dynamo(caplog):
     assert "calls go through Dynamo" in caplog.text
 
 
+def test_guard_filter_keeps_argument_and_attribute_guards_and_drops_module_structure():
+    from types import SimpleNamespace as Entry
+
+    from piecewise._compat import drop_shape_guards
+
+    cases = {
+        ("TENSOR_MATCH", "input_ids"): True,  # forward arguments
+        ("TYPE_MATCH", "scale"): True,
+        ("CONSTANT_MATCH", "self.eps"): True,  # values of plain module attributes
+        ("EQUALS_MATCH", "self._modules['layers']._modules['0'].index"): True,
+        ("GLOBAL_STATE", ""): True,
+        ("CLOSURE_MATCH", "G['rotary']"): True,
+        ("SHAPE_ENV", ""): False,  # one trace serves every token count
+        ("TENSOR_MATCH", "self._modules['qkv']._parameters['weight']"): False,  # read by address
+        ("TYPE_MATCH", "self._modules['layers']._modules['3']"): False,  # module structure
+        ("CONSTANT_MATCH", "self._modules['qkv']._parameters['bias']"): False,
+        ("DICT_KEYS_MATCH", "self._modules['layers']._modules"): False,
+        ("EMPTY_NN_MODULE_HOOKS_DICT", "self._modules['qkv']._forward_hooks"): False,
+    }
+    entries = [Entry(guard_type=kind, name=name) for kind, name in cases]
+    assert drop_shape_guards(entries) == list(cases.values())
+
+
 def test_no_splitting_ops_gives_one_piece():
     model, (ids, positions, cache) = example(tokens=4)
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, splitting_ops=()))
