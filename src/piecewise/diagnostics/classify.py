@@ -177,6 +177,10 @@ def short_message(reason: str, gb: str | None) -> str:
     return headline
 
 
+# torch ≥ 2.14 refuses a context manager it cannot enter by naming its skipped ``__enter__``/``__exit__``.
+_CONTEXT_METHOD = re.compile(r"`[\w.]+\.__(?:enter|exit)__`")
+
+
 def classify(reason: str, gb: str | None, stack: list[traceback.FrameSummary]) -> str:
     """Blocker kind of one Dynamo failure, from its reason text, ``gb_type`` and full user stack."""
     text = f"{gb or ''}\n{reason}"
@@ -205,7 +209,7 @@ def classify(reason: str, gb: str | None, stack: list[traceback.FrameSummary]) -
         or ("context manager" in lowered and _LOCK_NAMES.search(text))
     ):
         return "jit_subprocess"
-    if "context manager" in lowered:
+    if "context manager" in lowered or _CONTEXT_METHOD.search(text):
         return "unsupported_context_manager"
     if "dynamic shape operator" in lowered or "output shape depends on input tensor data" in lowered:
         return "data_dependent_shape"
