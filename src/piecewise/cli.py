@@ -217,7 +217,7 @@ def run_run(options: argparse.Namespace) -> int:
         graphs = "yes" if stats["cuda_graphs"] else "no: pieces ran without graphs (no CUDA device or cuda_graphs=False)"
         table.add_row("CUDA graphs", graphs)
         for key in ("pieces", "splitting_op_calls", "traces", "graph_breaks", "capture_sizes", "graphs",
-                    "replays", "fallback_calls", "capture_seconds", "pool_bytes", "prewarm_seconds"):
+                    "replays", "fallback_calls", "direct_calls", "capture_seconds", "pool_bytes", "prewarm_seconds"):
             value = stats[key]
             table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
         console.print(table)
