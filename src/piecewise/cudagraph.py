@@ -192,6 +192,31 @@ def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple, pool: An
     return None
 
 
+class RowBuffer:
+    """A static [max_tokens, ...] buffer written by leading rows; rows past the last write read zero.
+
+    Views of its leading rows are made once per row count: on replay the same counts come back every step.
+    """
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.views: dict[int, torch.Tensor] = {}
+        self.dirty = 0
+
+    def rows(self, count: int) -> torch.Tensor:
+        view = self.views.get(count)
+        if view is None:
+            view = self.views[count] = self.buffer[:count]
+        return view
+
+    def write(self, value: torch.Tensor, rows: int) -> None:
+        """Copy ``value`` into the first ``rows`` rows; zero the rows a larger earlier write left behind."""
+        self.rows(rows).copy_(value)
+        if self.dirty > rows:
+            self.buffer[rows : self.dirty].zero_()
+        self.dirty = rows
+
+
 class SplitOpRunner:
     """One splitting op: runs eagerly on the real rows, writes into static buffers the next piece reads."""
 
@@ -206,8 +231,7 @@ class SplitOpRunner:
         flat = [outputs] if self.single_output else list(outputs)
         self.token_outputs = [_is_token_tensor(v) for v in flat]
         self.buffers: list[torch.Tensor | None] = [None] * len(flat)
-        self.views: list[dict[int, torch.Tensor]] = [{} for _ in flat]
-        self.dirty_rows = [0] * len(flat)
+        self.row_buffers: list[RowBuffer | None] = [None] * len(flat)
         self.sliced: dict[tuple[int, int], tuple[tuple, list]] = {}
         self.call = self._direct_call(module) or module.forward
 
@@ -236,11 +260,10 @@ class SplitOpRunner:
         if keyword or any(isinstance(a, (list, tuple, dict)) for a in positional):
             return None
         impl = info.impl
-        leading = [i for i, _ in getters if i is not None]
-        trailing = tuple(const for i, const in getters[len(leading) :])
-        if leading == list(range(len(leading))) and len(placeholders) == len(leading) and all(
-            i is None for i, _ in getters[len(leading) :]
-        ):  # placeholders in order, constants last (the usual shape): no per-call list
+        count = len(placeholders)
+        if [i for i, _ in getters[:count]] == list(range(count)) and all(i is None for i, _ in getters[count:]):
+            # placeholders in order, constants last (the usual shape): no per-call list
+            trailing = tuple(const for _, const in getters[count:])
 
             def call(*args):
                 return impl(*args, *trailing)
@@ -269,7 +292,7 @@ class SplitOpRunner:
         """The first ``rows`` rows of each token argument. On replay the arguments are the same tensors
         every time (piece outputs, static buffers), so the views are made once per (size, rows)."""
         cached = self.sliced.get((size, rows))
-        if cached is not None and len(cached[0]) == len(args) and all(map(operator.is_, cached[0], args)):
+        if cached is not None and all(map(operator.is_, cached[0], args)):
             return cached[1]
         call_args = [a[:rows] if token else a for a, token in zip(args, self.token_inputs)]
         if keep:
@@ -285,6 +308,8 @@ class SplitOpRunner:
             shape = (self.state.max_tokens, *value.shape[1:]) if token else value.shape
             buffer = torch.zeros(shape, dtype=value.dtype, device=value.device)
             self.buffers[index] = buffer
+            if token:
+                self.row_buffers[index] = RowBuffer(buffer)
             self.state.stable_ptrs.add(buffer.data_ptr())
         elif buffer.dtype != value.dtype or buffer.shape[1 if token else 0 :] != value.shape[1 if token else 0 :]:
             raise RuntimeError(
@@ -295,19 +320,9 @@ class SplitOpRunner:
         if not token:
             buffer.copy_(value)
             return buffer
-        views = self.views[index]  # leading-row views of the buffer, made once per row count
-        target = views.get(rows)
-        if target is None:
-            target = views[rows] = buffer[:rows]
-        target.copy_(value)
-        dirty = self.dirty_rows[index]
-        if dirty > rows:  # rows a larger earlier call wrote: padding must read zeros
-            buffer[rows:dirty].zero_()
-        self.dirty_rows[index] = rows
-        padded = views.get(size)
-        if padded is None:
-            padded = views[size] = buffer[:size]
-        return padded
+        rows_buffer = self.row_buffers[index]
+        rows_buffer.write(value, rows)
+        return rows_buffer.rows(size)
 
 
 class GraphRunner:

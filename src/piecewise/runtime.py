@@ -17,7 +17,7 @@ from . import _compat
 from .compilers import make_compiler
 from .config import CaptureConfig
 from .context import forward_context
-from .cudagraph import CAPTURE, DIRECT, PADDED, REPLAY, CaptureState, GraphRunner
+from .cudagraph import CAPTURE, DIRECT, PADDED, REPLAY, CaptureState, GraphRunner, RowBuffer
 from .opaque import splitting_op_names
 from .trace import ForwardTracer
 
@@ -60,9 +60,8 @@ class PiecewiseModel:
         self._sizes = config.sizes
         self._prepared = False
         self._static_ptrs: dict[str, int] = {}
-        self._input_buffers: dict[tuple, torch.Tensor] = {}
+        self._input_buffers: dict[tuple, RowBuffer] = {}
         self._aliases: dict[tuple, torch.Tensor] = {}
-        self._dirty_rows: dict[tuple, int] = {}
         self._first_signature: dict[str, Any] | None = None
         self._call_arguments: dict[str, Any] = {}
         self._traced_in_call = False
@@ -240,22 +239,15 @@ class PiecewiseModel:
         for name in self._dynamic:
             value = arguments[name]
             key = (name, value.dtype, value.device, value.shape[1:])
-            buffer = self._input_buffers.get(key)
-            if buffer is None:
+            staging = self._input_buffers.get(key)
+            if staging is None:
                 buffer = torch.zeros((self.config.max_tokens, *value.shape[1:]), dtype=value.dtype, device=value.device)
-                self._input_buffers[key] = buffer
+                staging = self._input_buffers[key] = RowBuffer(buffer)
                 self.state.stable_ptrs.add(buffer.data_ptr())
-            target = self._aliases.get((key, -rows))
-            if target is None:
-                target = self._aliases[(key, -rows)] = buffer[:rows]
-            target.copy_(value)
-            dirty = self._dirty_rows.get(key, 0)
-            if dirty > rows:
-                buffer[rows:dirty].zero_()
-            self._dirty_rows[key] = rows
+            staging.write(value, rows)
             alias = self._aliases.get((key, size))
             if alias is None:
-                alias = _compat.storage_alias(buffer, size)
+                alias = _compat.storage_alias(staging.buffer, size)
                 _compat.mark_token_dim(alias, 0)
                 self._aliases[(key, size)] = alias
             staged[name] = alias
