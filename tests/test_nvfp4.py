@@ -334,8 +334,9 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return out
 
 
-def _run_ptx(asm: str, word: int) -> list[int]:
+def _run_ptx(asm: str, word: int, operands: tuple[int, ...] = ()) -> list[int]:
     regs = {"$4": word}
+    regs.update({f"${5 + 4 * i}": value & 0xFFFFFFFF for i, value in enumerate(operands)})
 
     def value(token: str) -> int:
         return int(token) & 0xFFFFFFFF if token.lstrip("-").isdigit() else regs[token]
@@ -379,3 +380,25 @@ def test_decode_ptx_gives_every_code_times_its_bias_in_pack_order(dtype, bias):
                 for nibble, got in ((b & 0xF, values[0][i]), (b >> 4, values[1][i])):
                     expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * bias
                     assert got == expected, (position, byte, i, nibble, got, expected)
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, 2.0**120), (torch.float16, 2.0**8)])
+def test_pairs_decode_ptx_puts_both_codes_of_a_byte_in_one_register(dtype, bias):
+    from piecewise.kernels.nvfp4.ptx import DECODE_PAIRS_ASM, TABLE_WORDS
+
+    key = "bf16" if dtype == torch.bfloat16 else "f16"
+    magnitudes = list(E2M1_MAGNITUDES)
+    generator = torch.Generator().manual_seed(1)
+    for position in range(4):
+        for byte in range(256):
+            others = torch.randint(0, 256, (4,), generator=generator).tolist()
+            others[position] = byte
+            word = sum(b << (8 * i) for i, b in enumerate(others))
+            out = _run_ptx(DECODE_PAIRS_ASM[key], word, TABLE_WORDS[key])
+            # Register i: low half = the low nibble of byte i, high half = its high nibble.
+            for i, (register, b) in enumerate(zip(out, others)):
+                halves = torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16)
+                got = halves.view(dtype).float().tolist()
+                for nibble, value in zip((b & 0xF, b >> 4), got):
+                    expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * bias
+                    assert value == expected, (position, byte, i, nibble, value, expected)

@@ -6,6 +6,7 @@ import torch
 import piecewise
 from piecewise.kernels.nvfp4 import NVFP4Linear, dequantize, global_scale_for, linear, quantize
 from piecewise.kernels.nvfp4 import reference, swizzle_scales
+from piecewise.kernels.nvfp4.gluon_gemv import AVAILABLE as GLUON, GemvConfig, pick_gemv_config
 from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_config, sm_count, w4a16_linear
 
 pytestmark = pytest.mark.gpu
@@ -124,6 +125,44 @@ def test_config_table_splits_k_for_decode_and_not_for_prefill():
     assert pick_config(200, 4096, 4096, sms).block_m == 128
 
 
+@pytest.mark.skipif(not GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 16])
+@pytest.mark.parametrize(
+    "out_features,in_features,config",
+    [
+        (4096, 4096, None),  # the table's pick
+        (48, 384, GemvConfig(warps_k=1)),
+        (1536, 5120, None),
+        (256, 2048, GemvConfig(warps_k=4, row_tiles=2, steps=2)),
+        (512, 4096, GemvConfig(warps_k=16, row_tiles=1, steps=2)),
+        (240, 1024, GemvConfig(warps_k=2, row_tiles=1, steps=4)),
+        (1000, 1024, GemvConfig(warps_k=8, row_tiles=2, steps=1)),  # N not a multiple of the row tile
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_decode_kernel_matches_dequantize_then_matmul(rows, out_features, in_features, config, dtype):
+    packed, scales, decode = random_weight(out_features, in_features, seed=rows * 7 + in_features)
+    config = config or pick_gemv_config(out_features, in_features, sm_count(torch.cuda.current_device()))
+    assert config is not None
+    x = torch.randn(rows, in_features, device="cuda", dtype=dtype) * 3
+    bias = torch.randn(out_features, device="cuda", dtype=dtype)
+    dense = dequantize(packed, scales, torch.reciprocal(decode), dtype=torch.float32)
+    for b in (None, bias):
+        out = w4a16_linear(x, packed, scales, decode, b, config=config)
+        expected = x.float() @ dense.T + (b.float() if b is not None else 0.0)
+        assert out.dtype == dtype and out.shape == (rows, out_features)
+        assert rel_error(out, expected) <= 1e-2
+        # Same products as the tl kernel up to float32 summation order.
+        other = w4a16_linear(x, packed, scales, decode, b, config=GemmConfig(16, 64, 128, 4, 3))
+        assert rel_error(out, other) <= 2e-3
+
+
+def test_decode_kernel_is_picked_only_where_it_applies():
+    sms = sm_count(torch.cuda.current_device())
+    assert pick_gemv_config(4096, 4096, sms) is not None
+    assert pick_gemv_config(1000, 1040, sms) is None  # K not a multiple of 128: the tl kernel runs
+
+
 def subnormal_scale_weight(out_features: int, in_features: int):
     """A weight whose first half of rows is ~2e-5 of the rest: all their block scales are E4M3 subnormals."""
     generator = torch.Generator(device="cuda").manual_seed(7)
@@ -152,8 +191,9 @@ def test_gemm_with_subnormal_block_scales(rows, dtype):
 def test_split_k_is_deterministic_across_calls_and_streams():
     packed, scales, decode = random_weight(4096, 4096, seed=11)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    assert pick_config(1, 4096, 4096, sm_count(torch.cuda.current_device())).split_k > 1
-    first = w4a16_linear(x, packed, scales, decode)
+    config = pick_config(1, 4096, 4096, sm_count(torch.cuda.current_device()))
+    assert config.split_k > 1
+    first = w4a16_linear(x, packed, scales, decode, config=config)
     streams = [torch.cuda.Stream() for _ in range(2)]
     results = []
     for stream in streams:
@@ -161,7 +201,7 @@ def test_split_k_is_deterministic_across_calls_and_streams():
     for _ in range(10):
         for stream in streams:
             with torch.cuda.stream(stream):
-                results.append(w4a16_linear(x, packed, scales, decode))
+                results.append(w4a16_linear(x, packed, scales, decode, config=config))
     torch.cuda.synchronize()
     assert all(torch.equal(r, first) for r in results)
 

@@ -7,14 +7,18 @@ a small PTX emulator for every byte value.
 from __future__ import annotations
 
 
-def _decode_asm(out_dtype: str) -> str:
+def _decode_asm(out_dtype: str, pairs: bool = False, table_operands: bool = False) -> str:
     """PTX: 4 packed bytes (8 E2M1 codes) → 8 16-bit floats ``e2m1(c) · 2^bias``, as two outputs of 4.
 
     Input ``$4``: the 4 bytes. Outputs ``$0``/``$1``: the values of the low nibbles of bytes 0..3, ``$2``/``$3``:
-    the high nibbles. Byte lookup tables (``prmt``: the 3 magnitude bits pick a byte, the sign bit ORs in 0x80);
+    the high nibbles. With ``pairs``, register ``$i`` holds instead the two codes of byte ``i`` (low nibble in
+    the low half): codes 0..3 of the word in ``$0``/``$1``, codes 4..7 in ``$2``/``$3``. Byte lookup tables (``prmt``: the 3 magnitude bits pick a byte, the sign bit ORs in 0x80);
     14 instructions per 8 values (12 for f16, whose E2M1 values all have a zero low byte).
     """
     high = (_LUT_BF16_HIGH_0_3, _LUT_BF16_HIGH_4_7) if out_dtype == "bf16" else (_LUT_F16_HIGH_0_3, _LUT_F16_HIGH_4_7)
+    low_0_3, sign_table = _LUT_BF16_LOW_0_3, 32768
+    if table_operands:  # the first word of each table comes in a register ($5, $9, $13: see TABLE_WORDS)
+        high, low_0_3, sign_table = ("$5", high[1]), "$9", "$13"
     lines = [
         "{",
         ".reg .b32 sgn, sgn_lo, sgn_hi, mag, mag_hi, hi_lo, hi_hi, s_lo, s_hi, lo_lo, lo_hi;",
@@ -25,26 +29,34 @@ def _decode_asm(out_dtype: str) -> str:
         "shr.u32 mag_hi, mag, 16;",
         f"prmt.b32 hi_lo, {high[0]}, {high[1]}, mag;",
         f"prmt.b32 hi_hi, {high[0]}, {high[1]}, mag_hi;",
-        "prmt.b32 s_lo, 32768, 0, sgn_lo;",  # byte 1 of 32768 is 0x80: sign bit → 0x80, else 0x00
-        "prmt.b32 s_hi, 32768, 0, sgn_hi;",
+        f"prmt.b32 s_lo, {sign_table}, 0, sgn_lo;",  # byte 1 of 32768 is 0x80: sign bit → 0x80, else 0x00
+        f"prmt.b32 s_hi, {sign_table}, 0, sgn_hi;",
         "or.b32 hi_lo, hi_lo, s_lo;",
         "or.b32 hi_hi, hi_hi, s_hi;",
     ]
     if out_dtype == "bf16":
         lines += [
-            f"prmt.b32 lo_lo, {_LUT_BF16_LOW_0_3}, {_LUT_BF16_LOW_4_7}, mag;",
-            f"prmt.b32 lo_hi, {_LUT_BF16_LOW_0_3}, {_LUT_BF16_LOW_4_7}, mag_hi;",
+            f"prmt.b32 lo_lo, {low_0_3}, {_LUT_BF16_LOW_4_7}, mag;",
+            f"prmt.b32 lo_hi, {low_0_3}, {_LUT_BF16_LOW_4_7}, mag_hi;",
         ]
     else:
         lines += ["mov.b32 lo_lo, 0;", "mov.b32 lo_hi, 0;"]
     # Code i of the word sits in byte i of the (lo_*, hi_*) pairs; bytes 0, 2 are low nibbles, 1, 3 high ones.
-    lines += [
-        "prmt.b32 $0, lo_lo, hi_lo, 25152;",  # 0x6240: codes 0, 2 (low nibbles of bytes 0, 1)
-        "prmt.b32 $1, lo_hi, hi_hi, 25152;",  # codes 4, 6 (bytes 2, 3)
-        "prmt.b32 $2, lo_lo, hi_lo, 29521;",  # 0x7351: codes 1, 3 (high nibbles of bytes 0, 1)
-        "prmt.b32 $3, lo_hi, hi_hi, 29521;",
-        "}",
-    ]
+    if pairs:
+        lines += [
+            "prmt.b32 $0, lo_lo, hi_lo, 20800;",  # 0x5140: codes 0, 1 (byte 0)
+            "prmt.b32 $1, lo_lo, hi_lo, 29538;",  # 0x7362: codes 2, 3 (byte 1)
+            "prmt.b32 $2, lo_hi, hi_hi, 20800;",  # codes 4, 5 (byte 2)
+            "prmt.b32 $3, lo_hi, hi_hi, 29538;",  # codes 6, 7 (byte 3)
+        ]
+    else:
+        lines += [
+            "prmt.b32 $0, lo_lo, hi_lo, 25152;",  # 0x6240: codes 0, 2 (low nibbles of bytes 0, 1)
+            "prmt.b32 $1, lo_hi, hi_hi, 25152;",  # codes 4, 6 (bytes 2, 3)
+            "prmt.b32 $2, lo_lo, hi_lo, 29521;",  # 0x7351: codes 1, 3 (high nibbles of bytes 0, 1)
+            "prmt.b32 $3, lo_hi, hi_hi, 29521;",
+        ]
+    lines.append("}")
     return "\n".join(lines)
 
 
@@ -62,3 +74,12 @@ _MAGNITUDE_BITS = 2004318071  # 0x77777777
 
 DECODE_ASM = {"bf16": _decode_asm("bf16"), "f16": _decode_asm("f16")}
 """PTX for ``tl.inline_asm_elementwise(..., constraints="=r,=r,=r,=r,r", pack=4)``, by output dtype."""
+DECODE_PAIRS_ASM = {
+    "bf16": _decode_asm("bf16", pairs=True, table_operands=True), "f16": _decode_asm("f16", pairs=True, table_operands=True)
+}
+"""The same decode with the codes of each byte side by side in one register (the mma fragment order), taking
+the first word of each table as an operand (``TABLE_WORDS``): a table word that ptxas sees as a constant is
+re-materialised before every ``prmt`` that reads it (the operand must be a register), one extra instruction
+per lookup."""
+TABLE_WORDS = {"bf16": (_LUT_BF16_HIGH_0_3, _LUT_BF16_LOW_0_3, 32768), "f16": (_LUT_F16_HIGH_0_3, 0, 32768)}
+"""Operands ``$5``, ``$9``, ``$13`` of ``DECODE_PAIRS_ASM`` (int32 tensors with pack=4: one register each is read)."""

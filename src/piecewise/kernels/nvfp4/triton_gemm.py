@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_gemm_inputs
+from .gluon_gemv import GemvConfig, gemv_supported, pick_gemv_config, w4a16_gemv
 from .ptx import DECODE_ASM
 
 
@@ -272,9 +273,10 @@ def w4a16_linear(
     scales: torch.Tensor,
     decode_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | GemvConfig | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ W.T + bias`` → [M, N] in x's dtype, on CUDA. ``config`` overrides the table (benchmarks)."""
+    """``x [M, K] @ W.T + bias`` → [M, N] in x's dtype, on CUDA. ``config`` overrides the choice (benchmarks):
+    a ``GemvConfig`` runs the Gluon decode kernel, a ``GemmConfig`` the tl kernel."""
     check_gemm_inputs(x, weight, scales, decode_scale, bias)
     rows, in_features = x.shape
     out_features = weight.shape[0]
@@ -289,7 +291,13 @@ def w4a16_linear(
     if config is None:
         if rows >= DENSE_FROM_ROWS and x.dtype == torch.bfloat16:
             return _dense_linear(x, weight, scales, decode_scale, bias)
-        config = pick_config(rows, out_features, in_features, sm_count(x.device.index or 0))
+        sms = sm_count(x.device.index or 0)
+        if gemv_supported(x, out_features):
+            config = pick_gemv_config(out_features, in_features, sms)
+        if config is None:
+            config = pick_config(rows, out_features, in_features, sms)
+    if isinstance(config, GemvConfig):
+        return w4a16_gemv(x, weight, scales, decode_scale, bias, out, config)
     grid_n, grid_m = triton.cdiv(out_features, config.block_n), triton.cdiv(rows, config.block_m)
     k_steps = triton.cdiv(in_features, config.block_k)
     k_per_split = triton.cdiv(k_steps, config.split_k) * config.block_k

@@ -1,0 +1,115 @@
+"""Sweep the Gluon decode kernel's configurations (and check it against dequantize + matmul first).
+
+    PYTHONPATH=src python benchmarks/gemv_sweep.py [--out DIR]
+
+For M in {1, 16} and K = N in {4096, 8192}: CUDA-graph time per call (weights rotated past L2) of every
+``GemvConfig`` in the grid, of the tl kernel's table pick, and of bf16 cuBLAS. Writes gemv_sweep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nvfp4 import copies_for, graph_ms  # noqa: E402
+
+
+CONFIGS = [(8, 1, 1), (8, 1, 2), (8, 2, 1), (8, 2, 2), (4, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 1, 4), (4, 1, 4),
+           (16, 1, 1), (16, 1, 2), (2, 1, 2), (2, 2, 2)]
+
+
+def check(shapes, dtypes) -> list[dict]:
+    from piecewise.kernels.nvfp4 import dequantize, global_scale_for
+    from piecewise.kernels.nvfp4.reference import quantize_reference
+    from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_gemv_config, w4a16_linear
+
+    rows_out = []
+    for (m, n, k), dtype, bias_on in itertools.product(shapes, dtypes, (False, True)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        gs = global_scale_for(w)
+        packed, scales = quantize_reference(w, gs)
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype) if bias_on else None
+        ref_w = dequantize(packed, scales, gs, dtype=torch.float32)
+        expected = x.float() @ ref_w.T + (bias.float() if bias is not None else 0)
+        config = pick_gemv_config(n, k, 132)
+        got = w4a16_linear(x, packed, scales, torch.reciprocal(gs).reshape(()), bias, config=config)
+        tl_out = w4a16_linear(x, packed, scales, torch.reciprocal(gs).reshape(()), bias, config=GemmConfig(16, 64, 128, 4, 3))
+        err = float((got.float() - expected).norm() / expected.norm())
+        tl_err = float((tl_out.float() - expected).norm() / expected.norm())
+        rows_out.append({"M": m, "N": n, "K": k, "dtype": str(dtype), "bias": bias_on, "config": config.__dict__,
+                         "rel_error": err, "tl_rel_error": tl_err})
+        print(f"check M={m} N={n} K={k} {dtype} bias={bias_on}: gluon {err:.2e} tl {tl_err:.2e}", flush=True)
+    return rows_out
+
+
+def sweep(do_bench, l2_bytes) -> list[dict]:
+    from piecewise.kernels.nvfp4 import global_scale_for
+    from piecewise.kernels.nvfp4.reference import quantize_reference
+    from piecewise.kernels.nvfp4.triton_gemm import GemvConfig, pick_config, w4a16_linear
+
+    results = []
+    for size in (4096, 8192):
+        n = k = size
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        gs = global_scale_for(w)
+        packed, scales = quantize_reference(w, gs)
+        decode = torch.reciprocal(gs).reshape(())
+        copies = copies_for(n * k // 2 + n * k // 16, l2_bytes, 8)
+        pc = [packed.clone() for _ in range(copies)]
+        sc = [scales.clone() for _ in range(copies)]
+        dense = [w.clone() for _ in range(copies_for(n * k * 2, l2_bytes, 2))]
+        for m in (1, 16):
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+            bf16 = graph_ms([(lambda i=i: torch.matmul(xs[i % 4], dense[i].T)) for i in range(len(dense))], do_bench)
+            tl_ms = graph_ms([(lambda i=i: w4a16_linear(xs[i % 4], pc[i], sc[i], decode,
+                                                          config=pick_config(m, n, k, 132))) for i in range(copies)], do_bench)
+            row = {"M": m, "K=N": size, "bf16_ms": bf16, "tl_ms": tl_ms, "gluon": []}
+            for wk, rt, steps in CONFIGS:
+                config = GemvConfig(warps_k=wk, row_tiles=rt, steps=steps)
+                try:
+                    ms = graph_ms([(lambda i=i: w4a16_linear(xs[i % 4], pc[i], sc[i], decode, config=config))
+                                   for i in range(copies)], do_bench)
+                except Exception as exc:  # noqa: BLE001 - a config that does not fit
+                    ms = float("inf")
+                    print(f"  {config}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                row["gluon"].append({"config": config.__dict__, "ms": ms})
+            row["gluon"].sort(key=lambda r: r["ms"])
+            floor = (n * k * 9 / 16) / 4.2e12 * 1e3
+            best = row["gluon"][0]
+            print(f"M={m} K=N={size}: bf16 {bf16 * 1e3:.1f} us, tl {tl_ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us; best gluon "
+                  f"{best['ms'] * 1e3:.1f} us {best['config']} ({bf16 / best['ms']:.2f}x bf16, {floor / best['ms']:.0%} roofline)", flush=True)
+            for r in row["gluon"][:8]:
+                print(f"    {r['ms'] * 1e3:7.1f} us  {r['config']}")
+            results.append(row)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--quick-check", action="store_true")
+    args = parser.parse_args()
+    from triton.testing import do_bench
+
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 0) or 60 * 2**20
+    shapes = [(1, 4096, 4096), (3, 256, 1024), (8, 1536, 5120), (9, 4096, 4096), (16, 8192, 8192), (5, 48, 384)][: 2 if args.quick_check else None]
+    payload = {"check": check(shapes, (torch.bfloat16, torch.float16))}
+    if not args.no_sweep:
+        payload["sweep"] = sweep(do_bench, l2)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gemv_sweep.json").write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
