@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nvfp4 import copies_for, graph_ms  # noqa: E402
 
 
-CONFIGS = [(8, 1, 1), (8, 1, 2), (8, 2, 1), (8, 2, 2), (4, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 1, 4), (4, 1, 4),
-           (16, 1, 1), (16, 1, 2), (2, 1, 2), (2, 2, 2)]
+CONFIGS = [(8, 1, 1, 1), (8, 1, 1, 2), (8, 1, 2, 1), (8, 1, 2, 2), (8, 2, 1, 1), (8, 2, 1, 2), (4, 1, 1, 2), (4, 1, 2, 2),
+           (4, 2, 1, 1), (4, 2, 1, 2), (16, 1, 1, 1), (16, 1, 1, 2), (4, 1, 4, 1), (8, 2, 2, 1)]
 
 
 def check(shapes, dtypes) -> list[dict]:
@@ -38,7 +38,7 @@ def check(shapes, dtypes) -> list[dict]:
         bias = torch.randn(n, device="cuda", dtype=dtype) if bias_on else None
         ref_w = dequantize(packed, scales, gs, dtype=torch.float32)
         expected = x.float() @ ref_w.T + (bias.float() if bias is not None else 0)
-        config = pick_gemv_config(n, k, 132)
+        config = pick_gemv_config(m, n, k, 132)
         got = w4a16_linear(x, packed, scales, torch.reciprocal(gs).reshape(()), bias, config=config)
         tl_out = w4a16_linear(x, packed, scales, torch.reciprocal(gs).reshape(()), bias, config=GemmConfig(16, 64, 128, 4, 3))
         err = float((got.float() - expected).norm() / expected.norm())
@@ -71,8 +71,8 @@ def sweep(do_bench, l2_bytes) -> list[dict]:
             tl_ms = graph_ms([(lambda i=i: w4a16_linear(xs[i % 4], pc[i], sc[i], decode,
                                                           config=pick_config(m, n, k, 132))) for i in range(copies)], do_bench)
             row = {"M": m, "K=N": size, "bf16_ms": bf16, "tl_ms": tl_ms, "gluon": []}
-            for wk, rt, steps in CONFIGS:
-                config = GemvConfig(warps_k=wk, row_tiles=rt, steps=steps)
+            for wk, rt, steps, prefetch in CONFIGS:
+                config = GemvConfig(warps_k=wk, row_tiles=rt, steps=steps, prefetch=prefetch)
                 try:
                     ms = graph_ms([(lambda i=i: w4a16_linear(xs[i % 4], pc[i], sc[i], decode, config=config))
                                    for i in range(copies)], do_bench)

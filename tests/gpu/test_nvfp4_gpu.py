@@ -134,7 +134,7 @@ def test_config_table_splits_k_for_decode_and_not_for_prefill():
         (48, 384, GemvConfig(warps_k=1)),
         (1536, 5120, None),
         (256, 2048, GemvConfig(warps_k=4, row_tiles=2, steps=2)),
-        (512, 4096, GemvConfig(warps_k=16, row_tiles=1, steps=2)),
+        (512, 4096, GemvConfig(warps_k=16, row_tiles=1, steps=2, prefetch=2)),
         (240, 1024, GemvConfig(warps_k=2, row_tiles=1, steps=4)),
         (1000, 1024, GemvConfig(warps_k=8, row_tiles=2, steps=1)),  # N not a multiple of the row tile
     ],
@@ -142,7 +142,7 @@ def test_config_table_splits_k_for_decode_and_not_for_prefill():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_decode_kernel_matches_dequantize_then_matmul(rows, out_features, in_features, config, dtype):
     packed, scales, decode = random_weight(out_features, in_features, seed=rows * 7 + in_features)
-    config = config or pick_gemv_config(out_features, in_features, sm_count(torch.cuda.current_device()))
+    config = config or pick_gemv_config(rows, out_features, in_features, sm_count(torch.cuda.current_device()))
     assert config is not None
     x = torch.randn(rows, in_features, device="cuda", dtype=dtype) * 3
     bias = torch.randn(out_features, device="cuda", dtype=dtype)
@@ -159,8 +159,9 @@ def test_gluon_decode_kernel_matches_dequantize_then_matmul(rows, out_features, 
 
 def test_decode_kernel_is_picked_only_where_it_applies():
     sms = sm_count(torch.cuda.current_device())
-    assert pick_gemv_config(4096, 4096, sms) is not None
-    assert pick_gemv_config(1000, 1040, sms) is None  # K not a multiple of 128: the tl kernel runs
+    assert pick_gemv_config(1, 4096, 4096, sms) is not None
+    assert pick_gemv_config(16, 4096, 4096, sms).row_tiles == 2
+    assert pick_gemv_config(1, 1000, 1040, sms) is None  # K not a multiple of 128: the tl kernel runs
 
 
 def subnormal_scale_weight(out_features: int, in_features: int):

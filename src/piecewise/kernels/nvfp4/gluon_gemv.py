@@ -12,15 +12,23 @@ and the kernel maps them onto the fragment slots the thread owns:
   ``4s, 4s+1``, one byte) and ``2t+8, 2t+9`` (codes ``4s+2, 4s+3``, the next byte). The activations take the
   same permutation, so the sum over K is unchanged.
 
-The weight keeps the public layout (``[N, K/2]`` bytes, linear E4M3 scales): nothing is repacked. The decode is
-``ptx.DECODE_PAIRS_ASM`` (byte lookup tables, 14 instructions per 8 codes, each register already holding the
-two codes of one byte as the fragment wants them), then one multiply by the block scale as in the Triton
-kernel. Gluon's layouts are explicit, and every reshuffle between the load layout and the mma operand layout
-is checked at compile time to be a register renaming (``convert_layout(..., assert_trivial=True)``).
+The weight keeps the public layout (``[N, K/2]`` bytes, linear E4M3 scales): nothing is repacked. The bytes are
+loaded as 32-bit words and decoded by ``ptx.DECODE_WORD_ASM`` (byte lookup tables, 14 instructions per 8
+codes, the two codes of one byte side by side as the fragment wants them), then one packed multiply by the
+block scale as in the tl kernel. Gluon's layouts are explicit, and every reshuffle between the load layout and
+the mma operand layout is checked at compile time to be a register renaming
+(``convert_layout(..., assert_trivial=True)``).
 
-The warps of a program split K (``WARPS_K``) and their partial tiles are summed at the end; the loop loads
-step ``i + 1`` before it computes step ``i``. Needs Triton's Gluon (``triton.experimental.gluon``, Triton ≥ 3.5)
-and sm_80+; ``AVAILABLE`` says whether it imported.
+The warps of a program split K (``WARPS_K``) and their partial tiles are summed at the end. The loop carries
+the next iteration's words, so their load is in flight during the math (loaded bytes carried through a loop
+would be repacked byte by byte; straight-line prefetches are moved next to their use by the compilers).
+
+Where the time goes (H200, K = N = 8192, one token, ``benchmarks/NOTES-nvfp4.md``): only reading the weight
+bytes with this access pattern takes 11.1 µs; the kernel takes ~19 µs. The decode's integer work (~2.3
+instructions per weight on the half-rate integer pipe) does not fully hide under the loads.
+
+Needs Triton's Gluon (``triton.experimental.gluon``, Triton ≥ 3.5) and sm_80+; ``AVAILABLE`` says whether it
+imported.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .ptx import DECODE_PAIRS_ASM, TABLE_WORDS
+from .ptx import DECODE_WORD_ASM, TABLE_WORDS
 
 try:
     from triton.experimental import gluon
@@ -54,18 +62,31 @@ class GemvConfig:
     row_tiles: int = 1
     """16-row weight tiles per warp (a power of two)."""
     steps: int = 1
-    """128-code steps loaded per loop iteration (a power of two)."""
+    """128-code steps loaded per iteration (a power of two)."""
+    prefetch: int = 1
+    """Iterations whose weight words are in flight ahead of the one computed (1 or 2)."""
+
+    def __post_init__(self):
+        powers = (self.warps_k, self.row_tiles, self.steps)
+        if any(v < 1 or v & (v - 1) for v in powers) or self.prefetch not in (1, 2):
+            raise ValueError(f"{self}: warps_k, row_tiles and steps must be powers of two, prefetch 1 or 2")
 
 
-def pick_gemv_config(out_features: int, in_features: int, sms: int) -> GemvConfig | None:
-    """A configuration for W [N, K], or None when K is not a multiple of 128 (then the tl kernel runs)."""
+def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -> GemvConfig | None:
+    """A configuration for x [rows, K] × W [N, K], or None when K is not a multiple of 128 (the tl kernel runs).
+
+    From a sweep on an H200 (``benchmarks/gemv_sweep.py``): 8 warps splitting K; two 16-row tiles per warp when
+    there are 9..16 tokens (each activation fragment then serves 32 rows) or when that still leaves two programs
+    per SM; one 128-code step per iteration with the next one in flight.
+    """
     if in_features % STEP:
         return None
     steps_total = in_features // STEP
     warps = 8
     while warps > 1 and steps_total % warps:
         warps //= 2
-    return GemvConfig(warps_k=warps, row_tiles=1, steps=1)
+    row_tiles = 2 if rows > 8 or triton.cdiv(out_features, 32) >= 2 * sms else 1
+    return GemvConfig(warps_k=warps, row_tiles=row_tiles)
 
 
 if AVAILABLE:
@@ -92,6 +113,15 @@ if AVAILABLE:
         )
 
     @gluon.constexpr_function
+    def _word_layout(warps_k, row_tiles, steps):
+        """Packed weight as int32 words [WK, 16·RT, 16·steps]: 4 contiguous words (16 bytes) per row, rows g, g+8."""
+        return gl.DistributedLinearLayout(
+            reg_bases=_bases(4, 2, 1) + [[0, 8, 0]] + _bases(row_tiles, 1, 16) + _bases(steps, 2, 16),
+            lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=_bases(warps_k, 0, 1), block_bases=[], shape=[warps_k, 16 * row_tiles, 16 * steps],
+        )
+
+    @gluon.constexpr_function
     def _scale_layout(warps_k, row_tiles, steps):
         """Scale bytes [WK, 16·RT, 8·steps]: the two blocks of the lane's 32 codes, per row."""
         return gl.DistributedLinearLayout(
@@ -110,25 +140,27 @@ if AVAILABLE:
         )
 
     @gluon.jit
-    def _operands(packed, scale_byte, xv, tables, DECODE: gl.constexpr, IS_FP16: gl.constexpr, A_LAYOUT: gl.constexpr,
+    def _operands(words, scale_byte, xv, tables, DECODE: gl.constexpr, IS_FP16: gl.constexpr, A_LAYOUT: gl.constexpr,
                   B_LAYOUT: gl.constexpr):
-        """Loaded bytes, scale bytes and activations → (A, B) in the mma operand layouts, both in slot order."""
-        WK: gl.constexpr = packed.shape[0]
-        R: gl.constexpr = packed.shape[1]
-        S: gl.constexpr = packed.shape[2] // 64
+        """Weight words, scale bytes and activations → (A, B) in the mma operand layouts, both in slot order."""
+        WK: gl.constexpr = words.shape[0]
+        R: gl.constexpr = words.shape[1]
+        S: gl.constexpr = words.shape[2] // 16
         BM: gl.constexpr = xv.shape[1]
         if IS_FP16:
-            low, high = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r" + ",r" * 12, [packed, tables[0], tables[1], tables[2]],
-                                                  dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+            c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+                DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [words, tables[0], tables[1], tables[2]],
+                dtype=(gl.float16,) * 8, is_pure=True, pack=1)
             scale = (scale_byte.to(gl.int16) << 7).to(gl.float16, bitcast=True)
         else:
-            low, high = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r" + ",r" * 12, [packed, tables[0], tables[1], tables[2]],
-                                                  dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+            c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+                DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [words, tables[0], tables[1], tables[2]],
+                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
             scale = (scale_byte.to(gl.int16) << 4).to(gl.bfloat16, bitcast=True)
-        # Byte p = 64d + 16t + 4i + e of a row, as 4 bytes per asm call: `low` holds codes 8i + e of the lane's
-        # 32 and `high` codes 8i + 4 + e (see DECODE_PAIRS_ASM), so code 32t + 8i + 4h + e sits at (p, h).
-        codes = gl.join(low, high)
-        # Dims: WK, R, d, t, i_hi, i_lo, e_hi, e_lo, h. Scale block of the code: 2t + i_hi.
+        # Word q = 16d + 4t + i of a row holds the lane's codes 8i .. 8i + 7; code 8i + c sits at (q, c0, c1, c2)
+        # with c = c0 + 2·c1 + 4·c2.
+        codes = gl.join(gl.join(gl.join(c0, c1), gl.join(c2, c3)), gl.join(gl.join(c4, c5), gl.join(c6, c7)))
+        # Dims: WK, R, d, t, i_hi, i_lo, c0, c1, c2. Scale block of the code: 2t + i_hi.
         codes = gl.reshape(codes, [WK, R, S, 4, 2, 2, 2, 2, 2])
         L8: gl.constexpr = gl.SliceLayout(8, codes.type.layout)
         L7: gl.constexpr = gl.SliceLayout(7, L8)
@@ -137,11 +169,10 @@ if AVAILABLE:
         scale = gl.convert_layout(gl.reshape(scale, [WK, R, S, 4, 2]), L5)
         scale = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(scale, 5), 6), 7), 8)
         codes = codes * scale
-        # Code 4s + 2e_hi + e_lo of the lane (s = 2i + h = 4i_hi + 2i_lo + h) goes to mma step s, fragment slot
-        # 8e_hi + 2t + e_lo.
-        a = gl.permute(codes, [0, 1, 2, 4, 5, 8, 6, 3, 7])
+        # Lane code 4s + 2c1 + c0 (s = 2i + c2 = 4i_hi + 2i_lo + c2) goes to mma step s, fragment slot 8c1 + 2t + c0.
+        a = gl.permute(codes, [0, 1, 2, 4, 5, 8, 7, 3, 6])
         a = gl.convert_layout(gl.reshape(a, [WK, R, 128 * S]), A_LAYOUT, assert_trivial=True)
-        # Activations: k = 32t + 4s + 2e_hi + e_lo → the same slot.
+        # Activations: k = 32t + 4s + 2c1 + c0 → the same slot.
         b = gl.reshape(xv, [WK, BM, S, 4, 8, 2, 2])
         b = gl.permute(b, [0, 1, 2, 4, 5, 3, 6])
         b = gl.permute(gl.reshape(b, [WK, BM, 128 * S]), [0, 2, 1])
@@ -149,15 +180,19 @@ if AVAILABLE:
         return a, b
 
     @gluon.jit
+    def _load_weights(weight_ptrs, scale_ptrs, step, STEPS: gl.constexpr):
+        return gl.load(weight_ptrs + step * (16 * STEPS)), gl.load(scale_ptrs + step * (8 * STEPS))
+
+    @gluon.jit
     def _gemv_kernel(
         x_ptr, weight_ptr, scales_ptr, decode_scale_ptr, bias_ptr, out_ptr,
-        rows, out_features, row_bytes, row_groups, stride_x_row, stride_out_row, warp_bytes, warp_groups,
+        rows, out_features, row_bytes, row_groups, stride_x_row, stride_out_row, warp_bytes, warp_groups, iterations,
         TABLE_0: gl.constexpr, TABLE_1: gl.constexpr, TABLE_2: gl.constexpr,
-        ITERATIONS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
-        WARPS_K: gl.constexpr, ROW_TILES: gl.constexpr, STEPS: gl.constexpr,
+        HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
+        WARPS_K: gl.constexpr, ROW_TILES: gl.constexpr, STEPS: gl.constexpr, PREFETCH: gl.constexpr,
     ):
         R: gl.constexpr = 16 * ROW_TILES
-        P_LAYOUT: gl.constexpr = _weight_layout(WARPS_K, ROW_TILES, STEPS)
+        P_LAYOUT: gl.constexpr = _word_layout(WARPS_K, ROW_TILES, STEPS)
         S_LAYOUT: gl.constexpr = _scale_layout(WARPS_K, ROW_TILES, STEPS)
         X_LAYOUT: gl.constexpr = _x_layout(WARPS_K, BLOCK_M, STEPS)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_K, 1, 1],
@@ -169,10 +204,10 @@ if AVAILABLE:
         # Weight bytes: rows past N read row N-1 (never stored).
         pw = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, P_LAYOUT)))
         pr = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, P_LAYOUT)))
-        pc = gl.arange(0, 64 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, P_LAYOUT)))
+        pc = gl.arange(0, 16 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, P_LAYOUT)))
         prow = gl.minimum(row0 + pr, out_features - 1)
-        weight_ptrs = (weight_ptr + prow[None, :, None] * row_bytes + pw[:, None, None] * warp_bytes
-                       + pc[None, None, :])
+        weight_ptrs = (weight_ptr.to(gl.pointer_type(gl.int32)) + prow[None, :, None] * (row_bytes // 4)
+                       + pw[:, None, None] * (warp_bytes // 4) + pc[None, None, :])
         sw = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, S_LAYOUT)))
         sr = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, S_LAYOUT)))
         sc = gl.arange(0, 8 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, S_LAYOUT)))
@@ -186,25 +221,26 @@ if AVAILABLE:
         x_mask = (xm < rows)[None, :, None] & (xk < 128 * STEPS)[None, None, :]
 
         # The decode tables' first words, as values ptxas cannot fold (prow < 2^30), so each stays in a register.
-        opaque_zero = (prow >> 30)[None, :, None] + gl.zeros([WARPS_K, R, 64 * STEPS], gl.int32, layout=P_LAYOUT)
+        opaque_zero = (prow >> 30)[None, :, None] + gl.zeros([WARPS_K, R, 16 * STEPS], gl.int32, layout=P_LAYOUT)
         tables = (opaque_zero | TABLE_0, opaque_zero | TABLE_1, opaque_zero | TABLE_2)
         acc = gl.zeros([WARPS_K, R, BLOCK_M], gl.float32, layout=MMA)
-        # Unrolled (ITERATIONS is a compile-time constant): the loads of iteration i + 1 are issued before the
-        # math of iteration i, and no loaded byte is carried through a loop (that would repack bytes).
-        packed = gl.load(weight_ptrs)
-        scale_byte = gl.load(scale_ptrs)
-        xv = gl.load(x_ptrs, mask=x_mask, other=0.0)
-        for it in gl.static_range(ITERATIONS):
-            if it + 1 < ITERATIONS:
-                next_packed = gl.load(weight_ptrs + (it + 1) * (64 * STEPS))
-                next_scale = gl.load(scale_ptrs + (it + 1) * (8 * STEPS))
-                next_x = gl.load(x_ptrs + (it + 1) * (128 * STEPS), mask=x_mask, other=0.0)
-            a, b = _operands(packed, scale_byte, xv, tables, DECODE, IS_FP16, A_LAYOUT, B_LAYOUT)
+        # The weight words of iteration i + 1 (and i + 2 with PREFETCH = 2) are loaded before the math of
+        # iteration i and carried through the loop as 32-bit words, so they are in flight during it. The last
+        # iterations re-load the final step instead of reading past the warp's share of K.
+        last = iterations - 1
+        w_next = _load_weights(weight_ptrs, scale_ptrs, 0, STEPS)
+        if PREFETCH > 1:
+            w_after = _load_weights(weight_ptrs, scale_ptrs, gl.minimum(1, last), STEPS)
+        for it in range(iterations):
+            current = w_next
+            if PREFETCH > 1:
+                w_next = w_after
+                w_after = _load_weights(weight_ptrs, scale_ptrs, gl.minimum(it + 2, last), STEPS)
+            else:
+                w_next = _load_weights(weight_ptrs, scale_ptrs, gl.minimum(it + 1, last), STEPS)
+            xv = gl.load(x_ptrs + it * (128 * STEPS), mask=x_mask, other=0.0)
+            a, b = _operands(current[0], current[1], xv, tables, DECODE, IS_FP16, A_LAYOUT, B_LAYOUT)
             acc = mma_v2(a, b, acc)
-            if it + 1 < ITERATIONS:
-                packed = next_packed
-                scale_byte = next_scale
-                xv = next_x
 
         OUT_LAYOUT: gl.constexpr = gl.SliceLayout(0, MMA)
         total = gl.sum(acc, axis=0) * gl.load(decode_scale_ptr)
@@ -241,8 +277,8 @@ def w4a16_gemv(
     _gemv_kernel[grid](
         x, weight, scales, decode_scale, bias if bias is not None else decode_scale, out,
         rows, out_features, in_features // 2, in_features // 16, x.stride(0), out.stride(0), warp_codes // 2, warp_codes // 16,
-        *TABLE_WORDS["f16" if is_fp16 else "bf16"], ITERATIONS=iterations, HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_PAIRS_ASM["f16" if is_fp16 else "bf16"],
+        iterations, *TABLE_WORDS["f16" if is_fp16 else "bf16"], HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_WORD_ASM["f16" if is_fp16 else "bf16"],
         BLOCK_M=8 if rows <= 8 else 16, WARPS_K=config.warps_k, ROW_TILES=config.row_tiles, STEPS=config.steps,
-        num_warps=config.warps_k,
+        PREFETCH=config.prefetch, num_warps=config.warps_k,
     )
     return out

@@ -60,6 +60,24 @@ def _decode_asm(out_dtype: str, pairs: bool = False, table_operands: bool = Fals
     return "\n".join(lines)
 
 
+def _decode_word_asm(out_dtype: str) -> str:
+    """``DECODE_PAIRS_ASM`` for one 32-bit word in, eight 16-bit values out (code ``i`` of the word in ``$i``).
+
+    Operands: ``$8`` the word, ``$9``/``$10``/``$11`` the table words (``TABLE_WORDS``). Each pair register is
+    split into its two halves; ptxas merges them back when they feed an mma fragment register.
+    """
+    body = _decode_asm(out_dtype, pairs=True, table_operands=True)
+    for old, new in (("$13", "%t2"), ("$9", "%t1"), ("$5", "%t0"), ("$4", "%w"),
+                     ("$0", "%pair0"), ("$1", "%pair1"), ("$2", "%pair2"), ("$3", "%pair3")):
+        body = body.replace(old, new)
+    body = body.replace("%t2", "$11").replace("%t1", "$10").replace("%t0", "$9").replace("%w", "$8")
+    inner = body.strip()[1:-1]  # drop the outer braces
+    return "\n".join([
+        "{", ".reg .b32 %pair0, %pair1, %pair2, %pair3;", inner.strip(),
+        "mov.b32 {$0, $1}, %pair0;", "mov.b32 {$2, $3}, %pair1;", "mov.b32 {$4, $5}, %pair2;", "mov.b32 {$6, $7}, %pair3;", "}",
+    ])
+
+
 # prmt byte tables (signed 32-bit decimals, the form PTX immediates take): byte c = a byte of e2m1(c) · 2^bias.
 # bf16: bias 120 (0.5·2^120 = 0x7B00 ... 6·2^120 = 0x7CC0); f16: bias 8 (0.5·2^8 = 0x5800 ... 6·2^8 = 0x6600).
 _LUT_BF16_LOW_0_3 = -1065353216  # 0xC0800000: low bytes for codes 0..3
@@ -81,5 +99,7 @@ DECODE_PAIRS_ASM = {
 the first word of each table as an operand (``TABLE_WORDS``): a table word that ptxas sees as a constant is
 re-materialised before every ``prmt`` that reads it (the operand must be a register), one extra instruction
 per lookup."""
+DECODE_WORD_ASM = {"bf16": _decode_word_asm("bf16"), "f16": _decode_word_asm("f16")}
+"""For ``inline_asm_elementwise`` on an int32 tensor (pack=1): constraints ``"=h" * 8, "r" * 4``."""
 TABLE_WORDS = {"bf16": (_LUT_BF16_HIGH_0_3, _LUT_BF16_LOW_0_3, 32768), "f16": (_LUT_F16_HIGH_0_3, 0, 32768)}
 """Operands ``$5``, ``$9``, ``$13`` of ``DECODE_PAIRS_ASM`` (int32 tensors with pack=4: one register each is read)."""

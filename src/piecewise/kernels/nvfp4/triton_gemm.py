@@ -293,7 +293,7 @@ def w4a16_linear(
             return _dense_linear(x, weight, scales, decode_scale, bias)
         sms = sm_count(x.device.index or 0)
         if gemv_supported(x, out_features):
-            config = pick_gemv_config(out_features, in_features, sms)
+            config = pick_gemv_config(rows, out_features, in_features, sms)
         if config is None:
             config = pick_config(rows, out_features, in_features, sms)
     if isinstance(config, GemvConfig):
