@@ -91,6 +91,20 @@ def sweep(do_bench, l2_bytes) -> list[dict]:
     return results
 
 
+def markdown(payload: dict, meta: str) -> str:
+    errors = ", ".join(sorted({f"{c['rel_error']:.1e}" for c in payload["check"]}))
+    lines = ["# Gluon decode kernel: configuration sweep", "", meta, "",
+             f"Correctness first (rel. error vs dequantize + matmul, bf16 and fp16, with and without bias): {errors}", ""]
+    for r in payload.get("sweep", []):
+        lines += [f"## M={r['M']}, K=N={r['K=N']}: bf16 {r['bf16_ms'] * 1e3:.1f} µs, tl kernel {r['tl_ms'] * 1e3:.1f} µs", "",
+                  "| µs | warps on K | rows per warp | steps per iteration | prefetch |", "|---|---|---|---|---|"]
+        for g in r["gluon"]:
+            c = g["config"]
+            lines.append(f"| {g['ms'] * 1e3:.1f} | {c['warps_k']} | {16 * c['row_tiles']} | {c['steps']} | {c['prefetch']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
@@ -108,6 +122,11 @@ def main() -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gemv_sweep.json").write_text(json.dumps(payload, indent=2))
+        import triton
+
+        meta = (f"- {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n"
+                f"- command: `python {' '.join(sys.argv)}`\n- CUDA-graph time per call, weights rotated past L2")
+        (args.out / "gemv_sweep.md").write_text(markdown(payload, meta))
     return 0
 
 

@@ -92,7 +92,7 @@ def bench_quantize(do_bench, bandwidth: float, quick: bool) -> list[dict]:
 def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, sweep: bool) -> list[dict]:
     from piecewise.kernels.nvfp4 import global_scale_for
     from piecewise.kernels.nvfp4.reference import quantize_reference
-    from piecewise.kernels.nvfp4.triton_gemm import DENSE_FROM_ROWS, GemmConfig, pick_config, sm_count, w4a16_linear
+    from piecewise.kernels.nvfp4.triton_gemm import DENSE_FROM_ROWS, GemmConfig, sm_count, w4a16_linear
 
     n = k = size
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -121,7 +121,7 @@ def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, s
         error = float((ours[0]().float() - expected).norm() / expected.norm())
         row = {
             "M": m, "N": n, "K": k, "rel_error": error,
-            "config": {"path": "dequantize + cuBLAS"} if m >= DENSE_FROM_ROWS else pick_config(m, n, k, sms).__dict__,
+            "config": kernel_config(m, n, k, sms, DENSE_FROM_ROWS),
             "ours_ms": do_bench(rotating(ours), warmup=25, rep=100, return_mode="median"),
             "ours_graph_ms": graph_ms(ours, do_bench),
             "bf16_ms": do_bench(rotating(dense), warmup=25, rep=100, return_mode="median"),
@@ -154,6 +154,27 @@ def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, s
         results.append(row)
         del x_copies, ours, dense
     return results
+
+
+def kernel_config(m: int, n: int, k: int, sms: int, dense_from: int) -> dict:
+    """What ``w4a16_linear`` launches for bf16 x [m, k] and W [n, k] (the same choice, for the report)."""
+    from piecewise.kernels.nvfp4.gluon_gemv import AVAILABLE, MAX_ROWS, pick_gemv_config
+    from piecewise.kernels.nvfp4.triton_gemm import pick_config
+
+    if m >= dense_from:
+        return {"path": "dequantize + cuBLAS"}
+    gemv = pick_gemv_config(m, n, k, sms) if AVAILABLE and m <= MAX_ROWS else None
+    if gemv is not None:
+        return {"path": "gluon", **gemv.__dict__}
+    return {"path": "tl", **pick_config(m, n, k, sms).__dict__}
+
+
+def config_text(c: dict) -> str:
+    if c["path"] == "gluon":
+        return f"gluon mma.sync, {c['warps_k']} warps on K, {16 * c['row_tiles']} rows/warp"
+    if c["path"] == "tl" or "block_m" in c:
+        return f"tl {c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} split{c['split_k']}"
+    return c["path"]
 
 
 def _dequantized(packed, scales, gs):
@@ -195,10 +216,7 @@ def markdown(meta: dict, bandwidth: float, quantize_rows, gemm_rows, checks) -> 
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in gemm_rows:
-        c = r["config"]
-        config = c["path"] if "path" in c else (
-            f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} split{c['split_k']}"
-        )
+        config = config_text(r["config"])
         lines.append(
             f"| {r['M']} | {r['K']} | {r['ours_graph_ms']:.4f} | {r['ours_ms']:.4f} | {r['bf16_graph_ms']:.4f} | "
             f"{r['bf16_ms']:.4f} | {r['floor_ms']:.4f} | {r['roofline_fraction']:.0%} | {r['tflops']:.1f} | "

@@ -76,8 +76,8 @@ def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -
     """A configuration for x [rows, K] × W [N, K], or None when K is not a multiple of 128 (the tl kernel runs).
 
     From a sweep on an H200 (``benchmarks/gemv_sweep.py``): 8 warps splitting K; two 16-row tiles per warp when
-    there are 9..16 tokens (each activation fragment then serves 32 rows) or when that still leaves two programs
-    per SM; one 128-code step per iteration with the next one in flight.
+    there are 9..16 tokens (each activation fragment then serves 32 rows) or when that still leaves a program per
+    SM; one 128-code step per iteration with the next one in flight.
     """
     if in_features % STEP:
         return None
@@ -85,7 +85,7 @@ def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -
     warps = 8
     while warps > 1 and steps_total % warps:
         warps //= 2
-    row_tiles = 2 if rows > 8 or triton.cdiv(out_features, 32) >= 2 * sms else 1
+    row_tiles = 2 if rows > 8 or triton.cdiv(out_features, 32) >= sms else 1
     return GemvConfig(warps_k=warps, row_tiles=row_tiles)
 
 
