@@ -164,6 +164,26 @@ def test_decode_kernel_is_picked_only_where_it_applies():
     assert pick_gemv_config(1, 1000, 1040, sms) is None  # K not a multiple of 128: the tl kernel runs
 
 
+def test_a_gluon_failure_falls_back_to_the_tl_kernel_with_one_warning(monkeypatch, caplog):
+    from piecewise.kernels.nvfp4 import gluon_gemv, triton_gemm
+
+    packed, scales, decode = random_weight(256, 1024, seed=5)
+    x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
+    expected = w4a16_linear(x, packed, scales, decode, config=pick_config(3, 256, 1024, sm_count(0)))
+
+    def broken(*args, **kwargs):
+        raise AttributeError("module 'triton.experimental.gluon.language' has no attribute 'DistributedLinearLayout'")
+
+    monkeypatch.setattr(gluon_gemv, "w4a16_gemv", broken)
+    monkeypatch.setattr(triton_gemm, "_gluon_failure", [])
+    with caplog.at_level("WARNING", logger="piecewise.kernels.nvfp4.triton_gemm"):
+        first = w4a16_linear(x, packed, scales, decode)
+        second = w4a16_linear(x, packed, scales, decode)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "Gluon decode kernel failed" in warnings[0] and "DistributedLinearLayout" in warnings[0]
+
+
 def subnormal_scale_weight(out_features: int, in_features: int):
     """A weight whose first half of rows is ~2e-5 of the rest: all their block scales are E4M3 subnormals."""
     generator = torch.Generator(device="cuda").manual_seed(7)

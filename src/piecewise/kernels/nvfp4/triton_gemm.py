@@ -23,6 +23,7 @@ to arrive (an acq_rel counter) adds the partials in split order — deterministi
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,11 @@ import triton
 import triton.language as tl
 
 from .checks import check_gemm_inputs
-from .gluon_gemv import GemvConfig, gemv_supported, pick_gemv_config, w4a16_gemv
+from .gluon_gemv import GemvConfig, gemv_supported, pick_gemv_config
+from . import gluon_gemv
 from .ptx import DECODE_ASM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -267,6 +271,23 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return counters[lane * _MAX_SPLIT_TILES:(lane + 1) * _MAX_SPLIT_TILES]
 
 
+_gluon_failure: list[str] = []
+"""Why the Gluon decode kernel is off in this process (empty while it is on)."""
+
+
+def _gluon_usable(x: torch.Tensor, out_features: int) -> bool:
+    return not _gluon_failure and gemv_supported(x, out_features)
+
+
+def _disable_gluon(exc: BaseException) -> None:
+    """Gluon is experimental in Triton and its API moves between releases: one failure turns the kernel off."""
+    _gluon_failure.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    logger.warning(
+        "NVFP4: the Gluon decode kernel failed on triton %s (%s); decode (1..16 tokens) uses the tl kernel from now on",
+        triton.__version__, _gluon_failure[0],
+    )
+
+
 def w4a16_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -292,12 +313,15 @@ def w4a16_linear(
         if rows >= DENSE_FROM_ROWS and x.dtype == torch.bfloat16:
             return _dense_linear(x, weight, scales, decode_scale, bias)
         sms = sm_count(x.device.index or 0)
-        if gemv_supported(x, out_features):
-            config = pick_gemv_config(rows, out_features, in_features, sms)
-        if config is None:
-            config = pick_config(rows, out_features, in_features, sms)
+        gemv = pick_gemv_config(rows, out_features, in_features, sms) if _gluon_usable(x, out_features) else None
+        if gemv is not None:
+            try:
+                return gluon_gemv.w4a16_gemv(x, weight, scales, decode_scale, bias, out, gemv)
+            except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon does not compile this kernel
+                _disable_gluon(exc)
+        config = pick_config(rows, out_features, in_features, sms)
     if isinstance(config, GemvConfig):
-        return w4a16_gemv(x, weight, scales, decode_scale, bias, out, config)
+        return gluon_gemv.w4a16_gemv(x, weight, scales, decode_scale, bias, out, config)
     grid_n, grid_m = triton.cdiv(out_features, config.block_n), triton.cdiv(rows, config.block_m)
     k_steps = triton.cdiv(in_features, config.block_k)
     k_per_split = triton.cdiv(k_steps, config.split_k) * config.block_k
