@@ -334,9 +334,8 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return out
 
 
-def _run_ptx(asm: str, word: int, operands: tuple[int, ...] = ()) -> list[int]:
-    regs = {"$4": word}
-    regs.update({f"${5 + 4 * i}": value & 0xFFFFFFFF for i, value in enumerate(operands)})
+def _run_ptx(asm: str, word: int, word_operand: str = "$4", outputs: int = 4) -> list[int]:
+    regs = {word_operand: word}
 
     def value(token: str) -> int:
         return int(token) & 0xFFFFFFFF if token.lstrip("-").isdigit() else regs[token]
@@ -346,17 +345,23 @@ def _run_ptx(asm: str, word: int, operands: tuple[int, ...] = ()) -> list[int]:
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        if rest.startswith("{"):  # mov.b32 {lo, hi}, r: split into 16-bit halves
+            halves, source = rest[1:].split("}")
+            low, high = [t.strip() for t in halves.split(",")]
+            regs[low], regs[high] = value(source.strip(" ,")) & 0xFFFF, value(source.strip(" ,")) >> 16
+            continue
         dest, *sources = [t.strip() for t in rest.split(",")]
         args = [value(t) for t in sources]
         result = {
             "and.b32": lambda: args[0] & args[1],
             "or.b32": lambda: args[0] | args[1],
             "shr.u32": lambda: args[0] >> args[1],
+            "shl.b32": lambda: args[0] << args[1],
             "mov.b32": lambda: args[0],
             "prmt.b32": lambda: _prmt(*args),
         }[op]()
         regs[dest] = result & 0xFFFFFFFF
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(outputs)]
 
 
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, 2.0**120), (torch.float16, 2.0**8)])
@@ -382,9 +387,10 @@ def test_decode_ptx_gives_every_code_times_its_bias_in_pack_order(dtype, bias):
                     assert got == expected, (position, byte, i, nibble, got, expected)
 
 
-@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, 2.0**120), (torch.float16, 2.0**8)])
-def test_pairs_decode_ptx_puts_both_codes_of_a_byte_in_one_register(dtype, bias):
-    from piecewise.kernels.nvfp4.ptx import DECODE_PAIRS_ASM, TABLE_WORDS
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shift_decode_ptx_gives_every_code_as_a_scaled_16_bit_float(dtype):
+    from piecewise.kernels.nvfp4.ptx import DECODE_SHIFT_ASM, DECODE_SHIFT_BIAS
 
     key = "bf16" if dtype == torch.bfloat16 else "f16"
     magnitudes = list(E2M1_MAGNITUDES)
@@ -394,11 +400,10 @@ def test_pairs_decode_ptx_puts_both_codes_of_a_byte_in_one_register(dtype, bias)
             others = torch.randint(0, 256, (4,), generator=generator).tolist()
             others[position] = byte
             word = sum(b << (8 * i) for i, b in enumerate(others))
-            out = _run_ptx(DECODE_PAIRS_ASM[key], word, TABLE_WORDS[key])
-            # Register i: low half = the low nibble of byte i, high half = its high nibble.
-            for i, (register, b) in enumerate(zip(out, others)):
-                halves = torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16)
-                got = halves.view(dtype).float().tolist()
-                for nibble, value in zip((b & 0xF, b >> 4), got):
-                    expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * bias
-                    assert value == expected, (position, byte, i, nibble, value, expected)
+            out = _run_ptx(DECODE_SHIFT_ASM[key], word, word_operand="$8", outputs=8)
+            # Output c is code c of the word: nibble c, low nibble of byte c // 2 first.
+            got = torch.tensor(out, dtype=torch.int32).to(torch.int16).view(dtype).double().tolist()
+            for c in range(8):
+                nibble = (word >> (4 * c)) & 0xF
+                expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * 2.0 ** -DECODE_SHIFT_BIAS[key]
+                assert got[c] == expected, (position, byte, c, nibble, got[c], expected)

@@ -56,25 +56,22 @@ def _x_layout(warps_k, block_m, steps):
     )
 
 @gluon.jit
-def _operands(words, scale_byte, xv, tables, DECODE: gl.constexpr, IS_FP16: gl.constexpr, A_LAYOUT: gl.constexpr,
+def _operands(words, scale, xv, DECODE: gl.constexpr, IS_FP16: gl.constexpr, A_LAYOUT: gl.constexpr,
               B_LAYOUT: gl.constexpr):
-    """Weight words, scale bytes and activations → (A, B) in the mma operand layouts, both in slot order."""
+    """Weight words, block scales (16-bit floats, see ``_block_scales``) and activations → (A, B) in the mma
+    operand layouts, both in slot order."""
     WK: gl.constexpr = words.shape[0]
     R: gl.constexpr = words.shape[1]
     S: gl.constexpr = words.shape[2] // 16
     BM: gl.constexpr = xv.shape[1]
     if IS_FP16:
         c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [words, tables[0], tables[1], tables[2]],
-            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-        scale = (scale_byte.to(gl.int16) << 7).to(gl.float16, bitcast=True)
+            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
     else:
         c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [words, tables[0], tables[1], tables[2]],
-            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-        scale = (scale_byte.to(gl.int16) << 4).to(gl.bfloat16, bitcast=True)
+            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
     # Word q = 16d + 4t + i of a row holds the lane's codes 8i .. 8i + 7; code 8i + c sits at (q, c0, c1, c2)
-    # with c = c0 + 2·c1 + 4·c2.
+    # with c = c0 + 2·c1 + 4·c2. Codes c and c + 4 share a register (DECODE_SHIFT_ASM).
     codes = gl.join(gl.join(gl.join(c0, c1), gl.join(c2, c3)), gl.join(gl.join(c4, c5), gl.join(c6, c7)))
     # Dims: WK, R, d, t, i_hi, i_lo, c0, c1, c2. Scale block of the code: 2t + i_hi.
     codes = gl.reshape(codes, [WK, R, S, 4, 2, 2, 2, 2, 2])
@@ -84,16 +81,33 @@ def _operands(words, scale_byte, xv, tables, DECODE: gl.constexpr, IS_FP16: gl.c
     L5: gl.constexpr = gl.SliceLayout(5, L6)
     scale = gl.convert_layout(gl.reshape(scale, [WK, R, S, 4, 2]), L5)
     scale = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(scale, 5), 6), 7), 8)
+    if IS_FP16:
+        codes = codes * 16384.0  # e2m1 · 2^-14 → e2m1, exact
     codes = codes * scale
-    # Lane code 4s + 2c1 + c0 (s = 2i + c2 = 4i_hi + 2i_lo + c2) goes to mma step s, fragment slot 8c1 + 2t + c0.
-    a = gl.permute(codes, [0, 1, 2, 4, 5, 8, 7, 3, 6])
+    # Lane code 8i + c0 + 2c1 + 4c2 goes to mma step s = 2i + c1 (= 4i_hi + 2i_lo + c1), fragment slot
+    # 8c0 + 2t + c2: the two codes of a register (c2 = 0, 1) fill the slot pair (2t, 2t + 1) or (2t + 8, 2t + 9).
+    a = gl.permute(codes, [0, 1, 2, 4, 5, 7, 6, 3, 8])
     a = gl.convert_layout(gl.reshape(a, [WK, R, 128 * S]), A_LAYOUT, assert_trivial=True)
-    # Activations: k = 32t + 4s + 2c1 + c0 → the same slot.
-    b = gl.reshape(xv, [WK, BM, S, 4, 8, 2, 2])
-    b = gl.permute(b, [0, 1, 2, 4, 5, 3, 6])
+    # Activations: lane k = 8i + 4c2 + 2c1 + c0 → the same slot (pairs 4 apart: a register shuffle).
+    b = gl.reshape(xv, [WK, BM, S, 4, 2, 2, 2, 2, 2])  # dims: WK, BM, d, t, i_hi, i_lo, c2, c1, c0
+    b = gl.permute(b, [0, 1, 2, 4, 5, 7, 8, 3, 6])
     b = gl.permute(gl.reshape(b, [WK, BM, 128 * S]), [0, 2, 1])
-    b = gl.convert_layout(b, B_LAYOUT, assert_trivial=True)
+    b = gl.convert_layout(b, B_LAYOUT)
     return a, b
+
+
+@gluon.jit
+def _block_scales(scale_byte, IS_FP16: gl.constexpr):
+    """E4M3 bytes → the 16-bit factor that turns the decoded codes into ``e2m1 · s_b`` (f16) or ``e2m1 · s_b · 2^-8``
+    (bf16; the kernel multiplies its float32 result by 2^8). Exact: the shift makes ``s · 2^-8`` / ``s · 2^-120``
+    (E4M3 subnormals included), the multiplies by powers of two stay in range."""
+    if IS_FP16:
+        scale = (scale_byte.to(gl.int16) << 7).to(gl.float16, bitcast=True) * 256.0
+    else:
+        scale = (scale_byte.to(gl.int16) << 4).to(gl.bfloat16, bitcast=True)
+        scale = (scale * 1.7014118346046923e38) * 2.5961484292674138e33  # · 2^127 · 2^111 = s · 2^118
+    return scale
+
 
 @gluon.jit
 def _load_weights(weight_ptrs, scale_ptrs, step, STEPS: gl.constexpr):
@@ -103,8 +117,7 @@ def _load_weights(weight_ptrs, scale_ptrs, step, STEPS: gl.constexpr):
 def _gemv_kernel(
     x_ptr, weight_ptr, scales_ptr, decode_scale_ptr, bias_ptr, out_ptr,
     rows, out_features, row_bytes, row_groups, stride_x_row, stride_out_row, warp_bytes, warp_groups, iterations,
-    TABLE_0: gl.constexpr, TABLE_1: gl.constexpr, TABLE_2: gl.constexpr,
-    HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
+        HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
     WARPS_K: gl.constexpr, ROW_TILES: gl.constexpr, STEPS: gl.constexpr, PREFETCH: gl.constexpr,
 ):
     R: gl.constexpr = 16 * ROW_TILES
@@ -136,9 +149,6 @@ def _gemv_kernel(
     x_ptrs = x_ptr + xm[None, :, None] * stride_x_row + xw[:, None, None] * (2 * warp_bytes) + xk[None, None, :]
     x_mask = (xm < rows)[None, :, None] & (xk < 128 * STEPS)[None, None, :]
 
-    # The decode tables' first words, as values ptxas cannot fold (prow < 2^30), so each stays in a register.
-    opaque_zero = (prow >> 30)[None, :, None] + gl.zeros([WARPS_K, R, 16 * STEPS], gl.int32, layout=P_LAYOUT)
-    tables = (opaque_zero | TABLE_0, opaque_zero | TABLE_1, opaque_zero | TABLE_2)
     acc = gl.zeros([WARPS_K, R, BLOCK_M], gl.float32, layout=MMA)
     # The weight words of iteration i + 1 (and i + 2 with PREFETCH = 2) are loaded before the math of
     # iteration i and carried through the loop as 32-bit words, so they are in flight during it. The last
@@ -155,11 +165,13 @@ def _gemv_kernel(
         else:
             w_next = _load_weights(weight_ptrs, scale_ptrs, gl.minimum(it + 1, last), STEPS)
         xv = gl.load(x_ptrs + it * (128 * STEPS), mask=x_mask, other=0.0)
-        a, b = _operands(current[0], current[1], xv, tables, DECODE, IS_FP16, A_LAYOUT, B_LAYOUT)
+        a, b = _operands(current[0], _block_scales(current[1], IS_FP16), xv, DECODE, IS_FP16, A_LAYOUT, B_LAYOUT)
         acc = mma_v2(a, b, acc)
 
     OUT_LAYOUT: gl.constexpr = gl.SliceLayout(0, MMA)
     total = gl.sum(acc, axis=0) * gl.load(decode_scale_ptr)
+    if not IS_FP16:
+        total = total * 256.0  # the bf16 operands carry 2^-8 (_block_scales)
     n = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, OUT_LAYOUT))
     m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT_LAYOUT))
     n_mask = n < out_features

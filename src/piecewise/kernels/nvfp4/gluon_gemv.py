@@ -8,15 +8,17 @@ and the kernel maps them onto the fragment slots the thread owns:
 
 - a warp covers 16·``ROW_TILES`` weight rows and one 128-code step of K at a time; lane ``4g + t`` holds rows
   ``g`` and ``g + 8`` of each 16-row tile, codes ``32t .. 32t + 31`` of the step;
-- mma step ``s`` (0..7) takes the thread's codes ``4s .. 4s + 3``: in fragment slots ``2t, 2t+1`` (codes
-  ``4s, 4s+1``, one byte) and ``2t+8, 2t+9`` (codes ``4s+2, 4s+3``, the next byte). The activations take the
-  same permutation, so the sum over K is unchanged.
+- the lane's 32 codes come as 4 words; codes ``c`` and ``c + 4`` of word ``i`` lie 16 bits apart, so the decode
+  (``ptx.DECODE_SHIFT_ASM``) makes them one register with shifts and masks alone, and that register is a
+  fragment slot pair: mma step ``2i + c1``, slots ``8c0 + 2t + {0, 1}`` (``c = c0 + 2c1``). The activations
+  take the same permutation (their pairs are 4 apart in memory: a register shuffle), so the sum over K is
+  unchanged.
 
-The weight keeps the public layout (``[N, K/2]`` bytes, linear E4M3 scales): nothing is repacked. The bytes are
-loaded as 32-bit words and decoded by ``ptx.DECODE_WORD_ASM`` (byte lookup tables, 14 instructions per 8
-codes, the two codes of one byte side by side as the fragment wants them), then one packed multiply by the
-block scale as in the tl kernel. Gluon's layouts are explicit, and every reshuffle between the load layout and
-the mma operand layout is checked at compile time to be a register renaming
+The weight keeps the public layout (``[N, K/2]`` bytes, linear E4M3 scales): nothing is repacked. The decode
+places each code's 3 magnitude bits as the low exponent bits and top mantissa bit of a 16-bit float (codes 0
+and ±0.5 become subnormals), 4 integer operations per register pair, then one packed multiply by the block
+scale folded with the format's power of two (two for fp16, whose range needs the power applied first). The
+weight side's reshuffle up to the mma operand layout is checked at compile time to be a register renaming
 (``convert_layout(..., assert_trivial=True)``).
 
 The warps of a program split K (``WARPS_K``) and their partial tiles are summed at the end. The loop carries
@@ -24,8 +26,9 @@ the next iteration's words, so their load is in flight during the math (loaded b
 would be repacked byte by byte; straight-line prefetches are moved next to their use by the compilers).
 
 Where the time goes (H200, K = N = 8192, one token, ``benchmarks/NOTES-nvfp4.md``): only reading the weight
-bytes with this access pattern takes 11.1 µs; the kernel takes ~19 µs. The decode's integer work (~2.3
-instructions per weight on the half-rate integer pipe) does not fully hide under the loads.
+bytes with this access pattern takes 11.1 µs; the kernel takes 18.2 µs. The decode's integer work (~1.75
+integer-ALU instructions per weight, on a pipe that issues at half the FP32 rate) does not fully hide under
+the loads.
 
 Needs Triton's Gluon (``triton.experimental.gluon``; written against Triton 3.6) and sm_80+; ``AVAILABLE`` says
 whether it imported, and ``triton_gemm`` falls back to the tl kernel if it does not compile.
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .ptx import DECODE_WORD_ASM, TABLE_WORDS
+from .ptx import DECODE_SHIFT_ASM
 
 try:
     from ._gluon_kernel import _gemv_kernel
@@ -111,7 +114,7 @@ def w4a16_gemv(
     _gemv_kernel[grid](
         x, weight, scales, decode_scale, bias if bias is not None else decode_scale, out,
         rows, out_features, in_features // 2, in_features // 16, x.stride(0), out.stride(0), warp_codes // 2, warp_codes // 16,
-        iterations, *TABLE_WORDS["f16" if is_fp16 else "bf16"], HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_WORD_ASM["f16" if is_fp16 else "bf16"],
+        iterations, HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_SHIFT_ASM["f16" if is_fp16 else "bf16"],
         BLOCK_M=8 if rows <= 8 else 16, WARPS_K=config.warps_k, ROW_TILES=config.row_tiles, STEPS=config.steps,
         PREFETCH=config.prefetch, num_warps=config.warps_k,
     )

@@ -7,18 +7,15 @@ a small PTX emulator for every byte value.
 from __future__ import annotations
 
 
-def _decode_asm(out_dtype: str, pairs: bool = False, table_operands: bool = False) -> str:
+def _decode_asm(out_dtype: str) -> str:
     """PTX: 4 packed bytes (8 E2M1 codes) → 8 16-bit floats ``e2m1(c) · 2^bias``, as two outputs of 4.
 
     Input ``$4``: the 4 bytes. Outputs ``$0``/``$1``: the values of the low nibbles of bytes 0..3, ``$2``/``$3``:
-    the high nibbles. With ``pairs``, register ``$i`` holds instead the two codes of byte ``i`` (low nibble in
-    the low half): codes 0..3 of the word in ``$0``/``$1``, codes 4..7 in ``$2``/``$3``. Byte lookup tables (``prmt``: the 3 magnitude bits pick a byte, the sign bit ORs in 0x80);
+    the high nibbles. Byte lookup tables (``prmt``: the 3 magnitude bits pick a byte, the sign bit ORs in 0x80);
     14 instructions per 8 values (12 for f16, whose E2M1 values all have a zero low byte).
     """
     high = (_LUT_BF16_HIGH_0_3, _LUT_BF16_HIGH_4_7) if out_dtype == "bf16" else (_LUT_F16_HIGH_0_3, _LUT_F16_HIGH_4_7)
     low_0_3, sign_table = _LUT_BF16_LOW_0_3, 32768
-    if table_operands:  # the first word of each table comes in a register ($5, $9, $13: see TABLE_WORDS)
-        high, low_0_3, sign_table = ("$5", high[1]), "$9", "$13"
     lines = [
         "{",
         ".reg .b32 sgn, sgn_lo, sgn_hi, mag, mag_hi, hi_lo, hi_hi, s_lo, s_hi, lo_lo, lo_hi;",
@@ -42,40 +39,14 @@ def _decode_asm(out_dtype: str, pairs: bool = False, table_operands: bool = Fals
     else:
         lines += ["mov.b32 lo_lo, 0;", "mov.b32 lo_hi, 0;"]
     # Code i of the word sits in byte i of the (lo_*, hi_*) pairs; bytes 0, 2 are low nibbles, 1, 3 high ones.
-    if pairs:
-        lines += [
-            "prmt.b32 $0, lo_lo, hi_lo, 20800;",  # 0x5140: codes 0, 1 (byte 0)
-            "prmt.b32 $1, lo_lo, hi_lo, 29538;",  # 0x7362: codes 2, 3 (byte 1)
-            "prmt.b32 $2, lo_hi, hi_hi, 20800;",  # codes 4, 5 (byte 2)
-            "prmt.b32 $3, lo_hi, hi_hi, 29538;",  # codes 6, 7 (byte 3)
-        ]
-    else:
-        lines += [
-            "prmt.b32 $0, lo_lo, hi_lo, 25152;",  # 0x6240: codes 0, 2 (low nibbles of bytes 0, 1)
-            "prmt.b32 $1, lo_hi, hi_hi, 25152;",  # codes 4, 6 (bytes 2, 3)
-            "prmt.b32 $2, lo_lo, hi_lo, 29521;",  # 0x7351: codes 1, 3 (high nibbles of bytes 0, 1)
-            "prmt.b32 $3, lo_hi, hi_hi, 29521;",
-        ]
-    lines.append("}")
+    lines += [
+        "prmt.b32 $0, lo_lo, hi_lo, 25152;",  # 0x6240: codes 0, 2 (low nibbles of bytes 0, 1)
+        "prmt.b32 $1, lo_hi, hi_hi, 25152;",  # codes 4, 6 (bytes 2, 3)
+        "prmt.b32 $2, lo_lo, hi_lo, 29521;",  # 0x7351: codes 1, 3 (high nibbles of bytes 0, 1)
+        "prmt.b32 $3, lo_hi, hi_hi, 29521;",
+        "}",
+    ]
     return "\n".join(lines)
-
-
-def _decode_word_asm(out_dtype: str) -> str:
-    """``DECODE_PAIRS_ASM`` for one 32-bit word in, eight 16-bit values out (code ``i`` of the word in ``$i``).
-
-    Operands: ``$8`` the word, ``$9``/``$10``/``$11`` the table words (``TABLE_WORDS``). Each pair register is
-    split into its two halves; ptxas merges them back when they feed an mma fragment register.
-    """
-    body = _decode_asm(out_dtype, pairs=True, table_operands=True)
-    for old, new in (("$13", "%t2"), ("$9", "%t1"), ("$5", "%t0"), ("$4", "%w"),
-                     ("$0", "%pair0"), ("$1", "%pair1"), ("$2", "%pair2"), ("$3", "%pair3")):
-        body = body.replace(old, new)
-    body = body.replace("%t2", "$11").replace("%t1", "$10").replace("%t0", "$9").replace("%w", "$8")
-    inner = body.strip()[1:-1]  # drop the outer braces
-    return "\n".join([
-        "{", ".reg .b32 %pair0, %pair1, %pair2, %pair3;", inner.strip(),
-        "mov.b32 {$0, $1}, %pair0;", "mov.b32 {$2, $3}, %pair1;", "mov.b32 {$4, $5}, %pair2;", "mov.b32 {$6, $7}, %pair3;", "}",
-    ])
 
 
 # prmt byte tables (signed 32-bit decimals, the form PTX immediates take): byte c = a byte of e2m1(c) · 2^bias.
@@ -92,14 +63,34 @@ _MAGNITUDE_BITS = 2004318071  # 0x77777777
 
 DECODE_ASM = {"bf16": _decode_asm("bf16"), "f16": _decode_asm("f16")}
 """PTX for ``tl.inline_asm_elementwise(..., constraints="=r,=r,=r,=r,r", pack=4)``, by output dtype."""
-DECODE_PAIRS_ASM = {
-    "bf16": _decode_asm("bf16", pairs=True, table_operands=True), "f16": _decode_asm("f16", pairs=True, table_operands=True)
-}
-"""The same decode with the codes of each byte side by side in one register (the mma fragment order), taking
-the first word of each table as an operand (``TABLE_WORDS``): a table word that ptxas sees as a constant is
-re-materialised before every ``prmt`` that reads it (the operand must be a register), one extra instruction
-per lookup."""
-DECODE_WORD_ASM = {"bf16": _decode_word_asm("bf16"), "f16": _decode_word_asm("f16")}
-"""For ``inline_asm_elementwise`` on an int32 tensor (pack=1): constraints ``"=h" * 8, "r" * 4``."""
-TABLE_WORDS = {"bf16": (_LUT_BF16_HIGH_0_3, _LUT_BF16_LOW_0_3, 32768), "f16": (_LUT_F16_HIGH_0_3, 0, 32768)}
-"""Operands ``$5``, ``$9``, ``$13`` of ``DECODE_PAIRS_ASM`` (int32 tensors with pack=4: one register each is read)."""
+
+
+def _decode_shift_asm(out_dtype: str) -> str:
+    """PTX: one 32-bit word (8 E2M1 codes) → 8 16-bit floats ``e2m1(c) · 2^-bias`` by shifts and masks, no tables.
+
+    The 3 magnitude bits of a code are exactly the low exponent bits and the top mantissa bit of a 16-bit float
+    whose exponent bits above them are zero: bf16 then holds ``e2m1 · 2^-126``, f16 ``e2m1 · 2^-14`` — for the
+    codes 0 and ±0.5 as subnormals, which the mma and the packed multiplies take as they are. Codes ``n`` and
+    ``n + 4`` lie 16 bits apart in the word, so one shift places both magnitudes and one more both signs; a
+    register holds the pair (``$n``: code n, ``$n+4``: code n + 4). 4 integer operations per pair, and ptxas
+    may issue the left shifts as ``IMAD.SHL`` on the FMA pipe. Input ``$8``.
+    """
+    magnitude_at = 6 if out_dtype == "bf16" else 9  # bit of the mantissa's top bit
+    mask = 0x01C001C0 if out_dtype == "bf16" else 0x0E000E00
+    lines = ["{", ".reg .b32 mag, sgn, p0, p1, p2, p3;"]
+    for n in range(4):
+        shift = magnitude_at - 4 * n
+        op = f"shl.b32 mag, $8, {shift};" if shift >= 0 else f"shr.u32 mag, $8, {-shift};"
+        lines += [op, f"and.b32 mag, mag, {mask};"]
+        lines += [f"shl.b32 sgn, $8, {12 - 4 * n};" if n < 3 else "mov.b32 sgn, $8;", f"and.b32 sgn, sgn, {_PAIR_SIGNS};"]
+        lines.append(f"or.b32 p{n}, mag, sgn;")
+    lines += [f"mov.b32 {{${n}, ${n + 4}}}, p{n};" for n in range(4)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_PAIR_SIGNS = -2147450880  # 0x80008000
+DECODE_SHIFT_ASM = {"bf16": _decode_shift_asm("bf16"), "f16": _decode_shift_asm("f16")}
+"""For ``inline_asm_elementwise`` on an int32 tensor (pack=1, constraints ``"=h" * 8, "r"``): code ``c`` of the
+word in output ``c``, as ``e2m1 · 2^-126`` (bf16) or ``e2m1 · 2^-14`` (f16)."""
+DECODE_SHIFT_BIAS = {"bf16": 126, "f16": 14}
