@@ -124,7 +124,10 @@ def main() -> int:
         (args.out / "gemv_sweep.json").write_text(json.dumps(payload, indent=2))
         import triton
 
-        meta = (f"- {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n"
+        import datetime
+
+        meta = (f"- date: {datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                f"triton {triton.__version__}\n"
                 f"- command: `python {' '.join(sys.argv)}`\n- CUDA-graph time per call, weights rotated past L2")
         (args.out / "gemv_sweep.md").write_text(markdown(payload, meta))
     return 0

@@ -414,12 +414,14 @@ def test_decode_kernel_config_rules():
     from piecewise.kernels.nvfp4.gluon_gemv import GemvConfig, pick_gemv_config
 
     assert pick_gemv_config(1, 4096, 1040, sms=132) is None  # K not a multiple of 128: the tl kernel runs
-    for k in (384, 1536, 4096, 5120, 14336):
-        config = pick_gemv_config(1, 4096, k, sms=132)
-        assert (k // 128) % config.warps_k == 0 and config.warps_k <= 8
+    for rows in (1, 16):
+        for n in (512, 4096, 8192):
+            for k in (128, 384, 1536, 4096, 5120, 14336):
+                config = pick_gemv_config(rows, n, k, sms=132)
+                assert (k // 128) % (config.warps_k * config.steps) == 0, (rows, n, k, config)
     assert pick_gemv_config(1, 384, 384, sms=132).warps_k == 1
-    assert pick_gemv_config(1, 4096, 4096, sms=132).row_tiles == 1  # 128 programs of 32 rows would idle SMs
-    assert pick_gemv_config(1, 8192, 8192, sms=132).row_tiles == 2
+    assert pick_gemv_config(1, 4096, 4096, sms=132) == GemvConfig(warps_k=8, row_tiles=1, steps=2)
+    assert pick_gemv_config(1, 8192, 8192, sms=132) == GemvConfig(warps_k=4, row_tiles=1, steps=4)
     assert pick_gemv_config(9, 4096, 4096, sms=132).row_tiles == 2  # the activation fragment serves 32 rows
     for bad in ({"warps_k": 3}, {"warps_k": 8, "row_tiles": 0}, {"warps_k": 8, "prefetch": 3}):
         with pytest.raises(ValueError, match="powers of two"):

@@ -26,7 +26,7 @@ the next iteration's words, so their load is in flight during the math (loaded b
 would be repacked byte by byte; straight-line prefetches are moved next to their use by the compilers).
 
 Where the time goes (H200, K = N = 8192, one token, ``benchmarks/NOTES-nvfp4.md``): only reading the weight
-bytes with this access pattern takes 11.1 µs; the kernel takes 18.2 µs. The decode's integer work (~1.75
+bytes with this access pattern takes 11.1 µs; the kernel takes 17.3 µs. The decode's integer work (~1.75
 integer-ALU instructions per weight, on a pipe that issues at half the FP32 rate) does not fully hide under
 the loads.
 
@@ -76,18 +76,25 @@ class GemvConfig:
 def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -> GemvConfig | None:
     """A configuration for x [rows, K] × W [N, K], or None when K is not a multiple of 128 (the tl kernel runs).
 
-    From a sweep on an H200 (``benchmarks/gemv_sweep.py``): 8 warps splitting K; two 16-row tiles per warp when
-    there are 9..16 tokens (each activation fragment then serves 32 rows) or when that still leaves a program per
-    SM; one 128-code step per iteration with the next one in flight.
+    From a sweep on an H200 (``benchmarks/gemv_sweep.py``, K = N = 4096 and 8192, 1 and 16 tokens): two 16-row
+    tiles per warp for 9..16 tokens (each activation fragment then serves 32 rows); for wide layers (at least
+    two 16-row programs per SM) 4 warps on K with 4 steps (≤ 8 tokens) or 1 step and 2 in flight (9..16), else 8
+    warps with 2 steps. Steps, then warps, are halved until they divide K's 128-code steps.
     """
     if in_features % STEP:
         return None
     steps_total = in_features // STEP
-    warps = 8
-    while warps > 1 and steps_total % warps:
+    wide = out_features >= 32 * sms
+    row_tiles = 2 if rows > 8 else 1
+    if wide:
+        warps, steps, prefetch = (4, 1, 2) if rows > 8 else (4, 4, 1)
+    else:
+        warps, steps, prefetch = 8, 2, 1
+    while steps > 1 and steps_total % (warps * steps):
+        steps //= 2
+    while warps > 1 and steps_total % (warps * steps):
         warps //= 2
-    row_tiles = 2 if rows > 8 or triton.cdiv(out_features, 32) >= sms else 1
-    return GemvConfig(warps_k=warps, row_tiles=row_tiles)
+    return GemvConfig(warps_k=warps, row_tiles=row_tiles, steps=steps, prefetch=prefetch)
 
 
 def gemv_supported(x: torch.Tensor, out_features: int) -> bool:
