@@ -1,8 +1,9 @@
 """Gluon W4A16 kernel for decode (M ≤ 16 tokens): mma.sync fed straight from 16-byte weight loads.
 
 The product is computed transposed, ``out.T = W · x.T``, with ``mma.m16n8k16``: the weight is operand A (16
-rows × 16 k per instruction), the tokens operand B (8 columns; 16 tokens take two). No shared memory, no
-layout conversion: the K order inside the tensor cores is a free choice as long as A and B agree, so each
+rows × 16 k per instruction), the tokens operand B (8 columns; 16 tokens take two). No shared memory in the
+loop and no repacking of the weight: the K order inside the tensor cores is a free choice as long as A and B
+agree, so each
 thread loads 16 *contiguous* bytes of a weight row (32 codes) and the matching 32 contiguous activations,
 and the kernel maps them onto the fragment slots the thread owns:
 
