@@ -20,15 +20,6 @@ def _bases(count, axis, first, rank=3):
     return bases
 
 @gluon.constexpr_function
-def _weight_layout(warps_k, row_tiles, steps):
-    """Packed weight bytes [WK, 16·RT, 64·steps]: 16 contiguous bytes per row, rows g and g+8 per lane."""
-    return gl.DistributedLinearLayout(
-        reg_bases=_bases(16, 2, 1) + [[0, 8, 0]] + _bases(row_tiles, 1, 16) + _bases(steps, 2, 64),
-        lane_bases=[[0, 0, 16], [0, 0, 32], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=_bases(warps_k, 0, 1), block_bases=[], shape=[warps_k, 16 * row_tiles, 64 * steps],
-    )
-
-@gluon.constexpr_function
 def _word_layout(warps_k, row_tiles, steps):
     """Packed weight as int32 words [WK, 16·RT, 16·steps]: 4 contiguous words (16 bytes) per row, rows g, g+8."""
     return gl.DistributedLinearLayout(
@@ -113,11 +104,12 @@ def _block_scales(scale_byte, IS_FP16: gl.constexpr):
 def _load_weights(weight_ptrs, scale_ptrs, step, STEPS: gl.constexpr):
     return gl.load(weight_ptrs + step * (16 * STEPS)), gl.load(scale_ptrs + step * (8 * STEPS))
 
+
 @gluon.jit
 def _gemv_kernel(
     x_ptr, weight_ptr, scales_ptr, decode_scale_ptr, bias_ptr, out_ptr,
     rows, out_features, row_bytes, row_groups, stride_x_row, stride_out_row, warp_bytes, warp_groups, iterations,
-        HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
+    HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
     WARPS_K: gl.constexpr, ROW_TILES: gl.constexpr, STEPS: gl.constexpr, PREFETCH: gl.constexpr,
 ):
     R: gl.constexpr = 16 * ROW_TILES
@@ -130,7 +122,7 @@ def _gemv_kernel(
     B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 
     row0 = gl.program_id(0) * R
-    # Weight bytes: rows past N read row N-1 (never stored).
+    # Weight words and scale bytes: rows past N read row N-1 (never stored).
     pw = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, P_LAYOUT)))
     pr = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, P_LAYOUT)))
     pc = gl.arange(0, 16 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, P_LAYOUT)))
