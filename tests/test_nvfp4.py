@@ -426,3 +426,35 @@ def test_decode_kernel_config_rules():
     for bad in ({"warps_k": 3}, {"warps_k": 8, "row_tiles": 0}, {"warps_k": 8, "prefetch": 3}):
         with pytest.raises(ValueError, match="powers of two"):
             GemvConfig(**bad)
+
+
+@pytest.mark.parametrize("dtype,block_m,row_tiles,prefetch", [("bf16", 8, 1, 1), ("fp16", 16, 2, 2)])
+def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_tiles, prefetch):
+    """The Gluon kernel builds for sm_90 with this Triton (its mma-operand layout checks run at compile time)."""
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from piecewise.kernels.nvfp4 import gluon_gemv
+    from piecewise.kernels.nvfp4.ptx import DECODE_SHIFT_ASM
+
+    if not gluon_gemv.AVAILABLE:
+        pytest.skip("this Triton has no Gluon: the tl kernel runs instead")
+    import triton
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = ["x_ptr", "weight_ptr", "scales_ptr", "decode_scale_ptr", "bias_ptr", "out_ptr", "rows", "out_features",
+             "row_bytes", "row_groups", "stride_x_row", "stride_out_row", "warp_bytes", "warp_groups", "iterations"]
+    types = [f"*{dtype}", "*u8", "*u8", "*fp32", f"*{dtype}", f"*{dtype}"] + ["i32"] * 9
+    constants = {"HAS_BIAS": True, "IS_FP16": dtype == "fp16", "DECODE": DECODE_SHIFT_ASM["f16" if dtype == "fp16" else "bf16"],
+                 "BLOCK_M": block_m, "WARPS_K": 4, "ROW_TILES": row_tiles, "STEPS": 2, "PREFETCH": prefetch}
+    signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if i < 6 or name != "rows"}
+    source = GluonASTSource(fn=gluon_gemv._gemv_kernel, signature=signature, constexprs=constants, attrs=aligned)
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower() and "not found" in str(exc).lower():
+            pytest.skip(f"no ptxas here: {exc}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("mma.sync.aligned.m16n8k16") > 0 and "ld.global.v4" in ptx
