@@ -92,7 +92,7 @@ def bench_quantize(do_bench, bandwidth: float, quick: bool) -> list[dict]:
 def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, sweep: bool) -> list[dict]:
     from piecewise.kernels.nvfp4 import global_scale_for
     from piecewise.kernels.nvfp4.reference import quantize_reference
-    from piecewise.kernels.nvfp4.triton_gemm import DENSE_FROM_ROWS, GemmConfig, sm_count, w4a16_linear
+    from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, w4a16_linear
 
     n = k = size
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -105,7 +105,6 @@ def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, s
     scale_copies = [scales.clone() for _ in range(copies)]
     dense_copies = [weight.clone() for _ in range(copies_for(n * k * 2, l2_bytes, 2))]
     reference_weight = _dequantized(packed, scales, gs)
-    sms = sm_count(torch.cuda.current_device())
     results = []
     for m in m_values:
         x_copies = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(min(copies, 8))]
@@ -121,7 +120,7 @@ def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, s
         error = float((ours[0]().float() - expected).norm() / expected.norm())
         row = {
             "M": m, "N": n, "K": k, "rel_error": error,
-            "config": kernel_config(m, n, k, sms, DENSE_FROM_ROWS),
+            "config": kernel_config(m, n, k),
             "ours_ms": do_bench(rotating(ours), warmup=25, rep=100, return_mode="median"),
             "ours_graph_ms": graph_ms(ours, do_bench),
             "bf16_ms": do_bench(rotating(dense), warmup=25, rep=100, return_mode="median"),
@@ -156,17 +155,15 @@ def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, s
     return results
 
 
-def kernel_config(m: int, n: int, k: int, sms: int, dense_from: int) -> dict:
-    """What ``w4a16_linear`` launches for bf16 x [m, k] and W [n, k] (the same choice, for the report)."""
-    from piecewise.kernels.nvfp4.gluon_gemv import AVAILABLE, MAX_ROWS, pick_gemv_config
-    from piecewise.kernels.nvfp4.triton_gemm import pick_config
+def kernel_config(m: int, n: int, k: int) -> dict:
+    """What ``w4a16_linear`` launches for bf16 x [m, k] and W [n, k], for the report."""
+    from piecewise.kernels.nvfp4.gluon_gemv import GemvConfig
+    from piecewise.kernels.nvfp4.triton_gemm import select_config
 
-    if m >= dense_from:
+    config = select_config(m, n, k, torch.bfloat16, torch.cuda.current_device())
+    if config is None:
         return {"path": "dequantize + cuBLAS"}
-    gemv = pick_gemv_config(m, n, k, sms) if AVAILABLE and m <= MAX_ROWS else None
-    if gemv is not None:
-        return {"path": "gluon", **gemv.__dict__}
-    return {"path": "tl", **pick_config(m, n, k, sms).__dict__}
+    return {"path": "gluon" if isinstance(config, GemvConfig) else "tl", **config.__dict__}
 
 
 def config_text(c: dict) -> str:

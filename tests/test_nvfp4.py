@@ -334,6 +334,16 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return out
 
 
+def _words_with_every_byte(seed: int):
+    """(bytes, 32-bit word) pairs: every byte value at every position, the other 3 bytes random."""
+    generator = torch.Generator().manual_seed(seed)
+    for position in range(4):
+        for byte in range(256):
+            others = torch.randint(0, 256, (4,), generator=generator).tolist()
+            others[position] = byte
+            yield others, sum(b << (8 * i) for i, b in enumerate(others))
+
+
 def _run_ptx(asm: str, word: int, word_operand: str = "$4", outputs: int = 4) -> list[int]:
     regs = {word_operand: word}
 
@@ -370,22 +380,16 @@ def test_decode_ptx_gives_every_code_times_its_bias_in_pack_order(dtype, bias):
 
     asm = DECODE_ASM["bf16" if dtype == torch.bfloat16 else "f16"]
     magnitudes = list(E2M1_MAGNITUDES)
-    generator = torch.Generator().manual_seed(0)
-    for position in range(4):
-        for byte in range(256):
-            others = torch.randint(0, 256, (4,), generator=generator).tolist()
-            others[position] = byte
-            word = sum(b << (8 * i) for i, b in enumerate(others))
-            out = _run_ptx(asm, word)
-            # Output 0 ($0, $1) holds the low-nibble values of bytes 0..3, output 1 ($2, $3) the high ones;
-            # element i of an output is 16-bit half (i % 2) of its register i // 2.
-            halves = torch.tensor([[r & 0xFFFF, r >> 16] for r in out], dtype=torch.int32).to(torch.int16)
-            values = halves.view(dtype).float().reshape(2, 4).tolist()
-            for i, b in enumerate(others):
-                for nibble, got in ((b & 0xF, values[0][i]), (b >> 4, values[1][i])):
-                    expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * bias
-                    assert got == expected, (position, byte, i, nibble, got, expected)
-
+    for others, word in _words_with_every_byte(seed=0):
+        out = _run_ptx(asm, word)
+        # Output 0 ($0, $1) holds the low-nibble values of bytes 0..3, output 1 ($2, $3) the high ones;
+        # element i of an output is 16-bit half (i % 2) of its register i // 2.
+        halves = torch.tensor([[r & 0xFFFF, r >> 16] for r in out], dtype=torch.int32).to(torch.int16)
+        values = halves.view(dtype).float().reshape(2, 4).tolist()
+        for i, b in enumerate(others):
+            for nibble, got in ((b & 0xF, values[0][i]), (b >> 4, values[1][i])):
+                expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * bias
+                assert got == expected, (hex(word), i, nibble, got, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -394,19 +398,14 @@ def test_shift_decode_ptx_gives_every_code_as_a_scaled_16_bit_float(dtype):
 
     key = "bf16" if dtype == torch.bfloat16 else "f16"
     magnitudes = list(E2M1_MAGNITUDES)
-    generator = torch.Generator().manual_seed(1)
-    for position in range(4):
-        for byte in range(256):
-            others = torch.randint(0, 256, (4,), generator=generator).tolist()
-            others[position] = byte
-            word = sum(b << (8 * i) for i, b in enumerate(others))
-            out = _run_ptx(DECODE_SHIFT_ASM[key], word, word_operand="$8", outputs=8)
-            # Output c is code c of the word: nibble c, low nibble of byte c // 2 first.
-            got = torch.tensor(out, dtype=torch.int32).to(torch.int16).view(dtype).double().tolist()
-            for c in range(8):
-                nibble = (word >> (4 * c)) & 0xF
-                expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * 2.0 ** -DECODE_SHIFT_BIAS[key]
-                assert got[c] == expected, (position, byte, c, nibble, got[c], expected)
+    for _, word in _words_with_every_byte(seed=1):
+        out = _run_ptx(DECODE_SHIFT_ASM[key], word, word_operand="$8", outputs=8)
+        # Output c is code c of the word: nibble c, low nibble of byte c // 2 first.
+        got = torch.tensor(out, dtype=torch.int32).to(torch.int16).view(dtype).double().tolist()
+        for c in range(8):
+            nibble = (word >> (4 * c)) & 0xF
+            expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * 2.0 ** -DECODE_SHIFT_BIAS[key]
+            assert got[c] == expected, (hex(word), c, nibble, got[c], expected)
 
 
 def test_decode_kernel_config_rules():

@@ -139,7 +139,7 @@ def _gemv_kernel(
     xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_LAYOUT)))
     xk = gl.arange(0, 128 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_LAYOUT)))
     x_ptrs = x_ptr + xm[None, :, None] * stride_x_row + xw[:, None, None] * (2 * warp_bytes) + xk[None, None, :]
-    x_mask = (xm < rows)[None, :, None] & (xk < 128 * STEPS)[None, None, :]
+    x_mask = (xm < rows)[None, :, None] & (xk < 128 * STEPS)[None, None, :]  # second term: broadcast only
 
     acc = gl.zeros([WARPS_K, R, BLOCK_M], gl.float32, layout=MMA)
     # The weight words of iteration i + 1 (and i + 2 with PREFETCH = 2) are loaded before the math of

@@ -37,6 +37,7 @@ whether it imported, and ``triton_gemm`` falls back to the tl kernel if it does 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,7 @@ class GemvConfig:
             raise ValueError(f"{self}: warps_k, row_tiles and steps must be powers of two, prefetch 1 or 2")
 
 
+@functools.cache
 def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -> GemvConfig | None:
     """A configuration for x [rows, K] × W [N, K], or None when K is not a multiple of 128 (the tl kernel runs).
 
@@ -98,12 +100,14 @@ def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -
     return GemvConfig(warps_k=warps, row_tiles=row_tiles, steps=steps, prefetch=prefetch)
 
 
-def gemv_supported(x: torch.Tensor, out_features: int) -> bool:
-    """Whether the Gluon kernel takes this call (tokens ≤ 16, K a multiple of 128, sm_80+)."""
-    return (
-        AVAILABLE and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] % STEP == 0 and out_features > 0
-        and torch.cuda.get_device_capability(x.device)[0] >= 8
-    )
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def gemv_supported(rows: int, in_features: int, device_index: int) -> bool:
+    """Whether the Gluon kernel can take this call (1..16 tokens, K a multiple of 128, sm_80+)."""
+    return AVAILABLE and 0 < rows <= MAX_ROWS and in_features % STEP == 0 and _capability_major(device_index) >= 8
 
 
 def w4a16_gemv(

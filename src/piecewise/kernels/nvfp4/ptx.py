@@ -15,7 +15,6 @@ def _decode_asm(out_dtype: str) -> str:
     14 instructions per 8 values (12 for f16, whose E2M1 values all have a zero low byte).
     """
     high = (_LUT_BF16_HIGH_0_3, _LUT_BF16_HIGH_4_7) if out_dtype == "bf16" else (_LUT_F16_HIGH_0_3, _LUT_F16_HIGH_4_7)
-    low_0_3, sign_table = _LUT_BF16_LOW_0_3, 32768
     lines = [
         "{",
         ".reg .b32 sgn, sgn_lo, sgn_hi, mag, mag_hi, hi_lo, hi_hi, s_lo, s_hi, lo_lo, lo_hi;",
@@ -26,15 +25,15 @@ def _decode_asm(out_dtype: str) -> str:
         "shr.u32 mag_hi, mag, 16;",
         f"prmt.b32 hi_lo, {high[0]}, {high[1]}, mag;",
         f"prmt.b32 hi_hi, {high[0]}, {high[1]}, mag_hi;",
-        f"prmt.b32 s_lo, {sign_table}, 0, sgn_lo;",  # byte 1 of 32768 is 0x80: sign bit → 0x80, else 0x00
-        f"prmt.b32 s_hi, {sign_table}, 0, sgn_hi;",
+        "prmt.b32 s_lo, 32768, 0, sgn_lo;",  # byte 1 of 32768 is 0x80: sign bit → 0x80, else 0x00
+        "prmt.b32 s_hi, 32768, 0, sgn_hi;",
         "or.b32 hi_lo, hi_lo, s_lo;",
         "or.b32 hi_hi, hi_hi, s_hi;",
     ]
     if out_dtype == "bf16":
         lines += [
-            f"prmt.b32 lo_lo, {low_0_3}, {_LUT_BF16_LOW_4_7}, mag;",
-            f"prmt.b32 lo_hi, {low_0_3}, {_LUT_BF16_LOW_4_7}, mag_hi;",
+            f"prmt.b32 lo_lo, {_LUT_BF16_LOW_0_3}, {_LUT_BF16_LOW_4_7}, mag;",
+            f"prmt.b32 lo_hi, {_LUT_BF16_LOW_0_3}, {_LUT_BF16_LOW_4_7}, mag_hi;",
         ]
     else:
         lines += ["mov.b32 lo_lo, 0;", "mov.b32 lo_hi, 0;"]

@@ -275,10 +275,6 @@ _gluon_failure: list[str] = []
 """Why the Gluon decode kernel is off in this process (empty while it is on)."""
 
 
-def _gluon_usable(x: torch.Tensor, out_features: int) -> bool:
-    return not _gluon_failure and gemv_supported(x, out_features)
-
-
 def _disable_gluon(exc: BaseException) -> None:
     """Gluon is experimental in Triton and its API moves between releases: one failure turns the kernel off."""
     _gluon_failure.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -286,6 +282,21 @@ def _disable_gluon(exc: BaseException) -> None:
         "NVFP4: the Gluon decode kernel failed on triton %s (%s); decode (1..16 tokens) uses the tl kernel from now on",
         triton.__version__, _gluon_failure[0],
     )
+
+
+def select_config(
+    rows: int, out_features: int, in_features: int, dtype: torch.dtype, device_index: int
+) -> GemmConfig | GemvConfig | None:
+    """What ``w4a16_linear`` launches for x [rows, K] × W [N, K]: the Gluon decode kernel's config, the tl
+    kernel's, or None for dequantize + cuBLAS (bf16 prefill)."""
+    if rows >= DENSE_FROM_ROWS and dtype == torch.bfloat16:
+        return None
+    sms = sm_count(device_index)
+    if not _gluon_failure and gemv_supported(rows, in_features, device_index):
+        gemv = pick_gemv_config(rows, out_features, in_features, sms)
+        if gemv is not None:
+            return gemv
+    return pick_config(rows, out_features, in_features, sms)
 
 
 def w4a16_linear(
@@ -309,19 +320,20 @@ def w4a16_linear(
     out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows == 0 or out_features == 0:
         return out
-    if config is None:
-        if rows >= DENSE_FROM_ROWS and x.dtype == torch.bfloat16:
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    chosen = config is None
+    if chosen:
+        config = select_config(rows, out_features, in_features, x.dtype, device_index)
+        if config is None:
             return _dense_linear(x, weight, scales, decode_scale, bias)
-        sms = sm_count(x.device.index or 0)
-        gemv = pick_gemv_config(rows, out_features, in_features, sms) if _gluon_usable(x, out_features) else None
-        if gemv is not None:
-            try:
-                return gluon_gemv.w4a16_gemv(x, weight, scales, decode_scale, bias, out, gemv)
-            except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon does not compile this kernel
-                _disable_gluon(exc)
-        config = pick_config(rows, out_features, in_features, sms)
     if isinstance(config, GemvConfig):
-        return gluon_gemv.w4a16_gemv(x, weight, scales, decode_scale, bias, out, config)
+        try:
+            return gluon_gemv.w4a16_gemv(x, weight, scales, decode_scale, bias, out, config)
+        except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon does not compile this kernel
+            if not chosen:
+                raise
+            _disable_gluon(exc)
+            config = pick_config(rows, out_features, in_features, sm_count(device_index))
     grid_n, grid_m = triton.cdiv(out_features, config.block_n), triton.cdiv(rows, config.block_m)
     k_steps = triton.cdiv(in_features, config.block_k)
     k_per_split = triton.cdiv(k_steps, config.split_k) * config.block_k
