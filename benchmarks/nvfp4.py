@@ -168,7 +168,7 @@ def kernel_config(m: int, n: int, k: int) -> dict:
 
 def config_text(c: dict) -> str:
     if c["path"] == "gluon":
-        return f"gluon mma.sync, {c['warps']} warps on K, {16 * c['row_tiles']} rows/warp"
+        return f"gluon mma.sync, {c['warps_k']} warps on K, {16 * c['row_tiles']} rows/warp"
     if c["path"] == "tl" or "block_m" in c:
         return f"tl {c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} split{c['split_k']}"
     return c["path"]

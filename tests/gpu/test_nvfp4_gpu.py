@@ -131,12 +131,12 @@ def test_config_table_splits_k_for_decode_and_not_for_prefill():
     "out_features,in_features,config",
     [
         (4096, 4096, None),  # the table's pick
-        (48, 384, GemvConfig(warps=1)),
+        (48, 384, GemvConfig(warps_k=1)),
         (1536, 5120, None),
-        (256, 2048, GemvConfig(warps=4, row_tiles=2, steps=2)),
-        (512, 4096, GemvConfig(warps=16, row_tiles=1, steps=2, prefetch=2)),
-        (240, 1024, GemvConfig(warps=2, row_tiles=1, steps=4)),
-        (1000, 1024, GemvConfig(warps=8, row_tiles=2, steps=1)),  # N not a multiple of the row tile
+        (256, 2048, GemvConfig(warps_k=4, row_tiles=2, steps=2)),
+        (512, 4096, GemvConfig(warps_k=16, row_tiles=1, steps=2, prefetch=2)),
+        (240, 1024, GemvConfig(warps_k=2, row_tiles=1, steps=4)),
+        (1000, 1024, GemvConfig(warps_k=8, row_tiles=2, steps=1)),  # N not a multiple of the row tile
         (4352, 2048, None),  # a wide layer: 4 warps on K, 4 steps (≤ 8 tokens) or 2 in flight (9..16)
     ],
 )
@@ -162,7 +162,7 @@ def test_decode_kernel_is_picked_only_where_it_applies():
     sms = sm_count(torch.cuda.current_device())
     assert pick_gemv_config(1, 4096, 4096, sms) is not None
     assert pick_gemv_config(16, 4096, 4096, sms).row_tiles == 2
-    assert pick_gemv_config(1, 8192, 8192, sms).warps * pick_gemv_config(1, 8192, 8192, sms).steps == 16
+    assert pick_gemv_config(1, 8192, 8192, sms).warps_k * pick_gemv_config(1, 8192, 8192, sms).steps == 16
     assert pick_gemv_config(1, 1000, 1040, sms) is None  # K not a multiple of 128: the tl kernel runs
 
 

@@ -20,30 +20,30 @@ def _bases(count, axis, first, rank=3):
     return bases
 
 @gluon.constexpr_function
-def _word_layout(warps, row_tiles, steps):
+def _word_layout(warps_k, row_tiles, steps):
     """Packed weight as int32 words [WK, 16·RT, 16·steps]: 4 contiguous words (16 bytes) per row, rows g, g+8."""
     return gl.DistributedLinearLayout(
         reg_bases=_bases(4, 2, 1) + [[0, 8, 0]] + _bases(row_tiles, 1, 16) + _bases(steps, 2, 16),
         lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=_bases(warps, 0, 1), block_bases=[], shape=[warps, 16 * row_tiles, 16 * steps],
+        warp_bases=_bases(warps_k, 0, 1), block_bases=[], shape=[warps_k, 16 * row_tiles, 16 * steps],
     )
 
 @gluon.constexpr_function
-def _scale_layout(warps, row_tiles, steps):
+def _scale_layout(warps_k, row_tiles, steps):
     """Scale bytes [WK, 16·RT, 8·steps]: the two blocks of the lane's 32 codes, per row."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 8, 0]] + _bases(row_tiles, 1, 16) + _bases(steps, 2, 8),
         lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=_bases(warps, 0, 1), block_bases=[], shape=[warps, 16 * row_tiles, 8 * steps],
+        warp_bases=_bases(warps_k, 0, 1), block_bases=[], shape=[warps_k, 16 * row_tiles, 8 * steps],
     )
 
 @gluon.constexpr_function
-def _x_layout(warps, block_m, steps):
+def _x_layout(warps_k, block_m, steps):
     """Activations [WK, BM, 128·steps]: 32 contiguous values per token, tokens g and g+8 per lane."""
     return gl.DistributedLinearLayout(
         reg_bases=_bases(32, 2, 1) + _bases(block_m // 8, 1, 8) + _bases(steps, 2, 128),
         lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=_bases(warps, 0, 1), block_bases=[], shape=[warps, block_m, 128 * steps],
+        warp_bases=_bases(warps_k, 0, 1), block_bases=[], shape=[warps_k, block_m, 128 * steps],
     )
 
 @gluon.jit
@@ -110,48 +110,38 @@ def _gemv_kernel(
     x_ptr, weight_ptr, scales_ptr, decode_scale_ptr, bias_ptr, out_ptr,
     rows, out_features, row_bytes, row_groups, stride_x_row, stride_out_row, warp_bytes, warp_groups, iterations,
     HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
-    WARPS: gl.constexpr, ROW_TILES: gl.constexpr, STEPS: gl.constexpr, PREFETCH: gl.constexpr,
-    WARPS_ON_N: gl.constexpr,
+    WARPS_K: gl.constexpr, ROW_TILES: gl.constexpr, STEPS: gl.constexpr, PREFETCH: gl.constexpr,
 ):
-    # Warps split K (each a share of K for the same rows; partial tiles summed at the end) or N (each its own
-    # rows over all of K; the activations they all read come from L1). Token blocks are grid axis 0, so the
-    # programs that share weight rows run side by side and only the first reads them from HBM.
     R: gl.constexpr = 16 * ROW_TILES
-    if WARPS_ON_N:
-        WARP_ROWS: gl.constexpr = R
-        PROGRAM_ROWS: gl.constexpr = R * WARPS
-    else:
-        WARP_ROWS: gl.constexpr = 0
-        PROGRAM_ROWS: gl.constexpr = R
-    P_LAYOUT: gl.constexpr = _word_layout(WARPS, ROW_TILES, STEPS)
-    S_LAYOUT: gl.constexpr = _scale_layout(WARPS, ROW_TILES, STEPS)
-    X_LAYOUT: gl.constexpr = _x_layout(WARPS, BLOCK_M, STEPS)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
+    P_LAYOUT: gl.constexpr = _word_layout(WARPS_K, ROW_TILES, STEPS)
+    S_LAYOUT: gl.constexpr = _scale_layout(WARPS_K, ROW_TILES, STEPS)
+    X_LAYOUT: gl.constexpr = _x_layout(WARPS_K, BLOCK_M, STEPS)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_K, 1, 1],
                                                   instr_shape=[1, 16, 8])
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 
-    m0 = gl.program_id(0) * BLOCK_M
-    row0 = gl.program_id(1) * PROGRAM_ROWS
+    row0 = gl.program_id(0) * R
     # Weight words and scale bytes: rows past N read row N-1 (never stored).
-    pw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, P_LAYOUT)))
+    pw = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, P_LAYOUT)))
     pr = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, P_LAYOUT)))
     pc = gl.arange(0, 16 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, P_LAYOUT)))
-    prow = gl.minimum(row0 + pw[:, None, None] * WARP_ROWS + pr[None, :, None], out_features - 1)
-    weight_ptrs = (weight_ptr.to(gl.pointer_type(gl.int32)) + prow * (row_bytes // 4)
+    prow = gl.minimum(row0 + pr, out_features - 1)
+    weight_ptrs = (weight_ptr.to(gl.pointer_type(gl.int32)) + prow[None, :, None] * (row_bytes // 4)
                    + pw[:, None, None] * (warp_bytes // 4) + pc[None, None, :])
-    sw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, S_LAYOUT)))
+    sw = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, S_LAYOUT)))
     sr = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, S_LAYOUT)))
     sc = gl.arange(0, 8 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, S_LAYOUT)))
-    srow = gl.minimum(row0 + sw[:, None, None] * WARP_ROWS + sr[None, :, None], out_features - 1)
-    scale_ptrs = scales_ptr + srow * row_groups + sw[:, None, None] * warp_groups + sc[None, None, :]
-    xw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_LAYOUT)))
-    xm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_LAYOUT)))
+    srow = gl.minimum(row0 + sr, out_features - 1)
+    scale_ptrs = (scales_ptr + srow[None, :, None] * row_groups + sw[:, None, None] * warp_groups
+                  + sc[None, None, :])
+    xw = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_LAYOUT)))
+    xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_LAYOUT)))
     xk = gl.arange(0, 128 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_LAYOUT)))
     x_ptrs = x_ptr + xm[None, :, None] * stride_x_row + xw[:, None, None] * (2 * warp_bytes) + xk[None, None, :]
     x_mask = (xm < rows)[None, :, None] & (xk < 128 * STEPS)[None, None, :]  # second term: broadcast only
 
-    acc = gl.zeros([WARPS, R, BLOCK_M], gl.float32, layout=MMA)
+    acc = gl.zeros([WARPS_K, R, BLOCK_M], gl.float32, layout=MMA)
     # The weight words of iteration i + 1 (and i + 2 with PREFETCH = 2) are loaded before the math of
     # iteration i and carried through the loop as 32-bit words, so they are in flight during it. The last
     # iterations re-load the final step instead of reading past the warp's share of K.
@@ -170,29 +160,14 @@ def _gemv_kernel(
         a, b = _operands(current[0], _block_scales(current[1], IS_FP16), xv, DECODE, IS_FP16, A_LAYOUT, B_LAYOUT)
         acc = mma_v2(a, b, acc)
 
-    scale = gl.load(decode_scale_ptr)
+    OUT_LAYOUT: gl.constexpr = gl.SliceLayout(0, MMA)
+    total = gl.sum(acc, axis=0) * gl.load(decode_scale_ptr)
     if not IS_FP16:
-        scale = scale * 256.0  # the bf16 operands carry 2^-8 (_block_scales)
-    if WARPS_ON_N:
-        ROWS_LAYOUT: gl.constexpr = gl.SliceLayout(2, MMA)
-        nw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, ROWS_LAYOUT))
-        nr = gl.arange(0, R, layout=gl.SliceLayout(0, ROWS_LAYOUT))
-        n = row0 + nw[:, None] * R + nr[None, :]
-        m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-        total = acc * scale
-        n_mask = n < out_features
-        if HAS_BIAS:
-            total += gl.expand_dims(gl.load(bias_ptr + n, mask=n_mask, other=0.0).to(gl.float32), 2)
-        out = out_ptr + m[None, None, :] * stride_out_row + gl.expand_dims(n, 2)
-        mask = gl.expand_dims(n_mask, 2) & (m < rows)[None, None, :]
-    else:
-        OUT_LAYOUT: gl.constexpr = gl.SliceLayout(0, MMA)
-        total = gl.sum(acc, axis=0) * scale
-        n = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, OUT_LAYOUT))
-        m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT_LAYOUT))
-        n_mask = n < out_features
-        if HAS_BIAS:
-            total += gl.load(bias_ptr + n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
-        out = out_ptr + m[None, :] * stride_out_row + n[:, None]
-        mask = n_mask[:, None] & (m < rows)[None, :]
-    gl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+        total = total * 256.0  # the bf16 operands carry 2^-8 (_block_scales)
+    n = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, OUT_LAYOUT))
+    m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT_LAYOUT))
+    n_mask = n < out_features
+    if HAS_BIAS:
+        total += gl.load(bias_ptr + n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
+    out = out_ptr + m[None, :] * stride_out_row + n[:, None]
+    gl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (m < rows)[None, :])

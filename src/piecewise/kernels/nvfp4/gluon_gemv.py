@@ -60,30 +60,19 @@ MAX_ROWS = 16
 
 @dataclass(frozen=True)
 class GemvConfig:
-    warps: int
-    """Warps per program (a power of two)."""
+    warps_k: int
+    """Warps per program, each taking an equal share of K (a power of two)."""
     row_tiles: int = 1
     """16-row weight tiles per warp (a power of two)."""
     steps: int = 1
     """128-code steps loaded per iteration (a power of two)."""
     prefetch: int = 1
     """Iterations whose weight words are in flight ahead of the one computed (1 or 2)."""
-    split: str = "k"
-    """What the warps of a program split: ``"k"`` (each a share of K for the same rows, partial tiles summed at
-    the end) or ``"n"`` (each its own rows over all of K, reading the same activations)."""
-    block_m: int = 16
-    """Tokens per program at most (8, 16, 32 or 64); more tokens take more programs, each decoding the rows
-    again (from L2)."""
 
     def __post_init__(self):
-        powers = (self.warps, self.row_tiles, self.steps)
+        powers = (self.warps_k, self.row_tiles, self.steps)
         if any(v < 1 or v & (v - 1) for v in powers) or self.prefetch not in (1, 2):
-            raise ValueError(f"{self}: warps, row_tiles and steps must be powers of two, prefetch 1 or 2")
-        if self.split not in ("k", "n") or self.block_m not in (8, 16, 32, 64):
-            raise ValueError(f"{self}: split must be 'k' or 'n', block_m 8, 16, 32 or 64")
-
-    def rows_per_program(self) -> int:
-        return 16 * self.row_tiles * (self.warps if self.split == "n" else 1)
+            raise ValueError(f"{self}: warps_k, row_tiles and steps must be powers of two, prefetch 1 or 2")
 
 
 @functools.cache
@@ -108,7 +97,7 @@ def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -
         steps //= 2
     while warps > 1 and steps_total % (warps * steps):
         warps //= 2
-    return GemvConfig(warps=warps, row_tiles=row_tiles, steps=steps, prefetch=prefetch)
+    return GemvConfig(warps_k=warps, row_tiles=row_tiles, steps=steps, prefetch=prefetch)
 
 
 @functools.cache
@@ -128,20 +117,17 @@ def w4a16_gemv(
     """``out = x @ W.T (+ bias)`` for checked, contiguous operands (``scales`` as uint8); returns ``out``."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
-    on_n = config.split == "n"
-    warp_codes = in_features if on_n else in_features // config.warps
+    warp_codes = in_features // config.warps_k
     iterations = warp_codes // (STEP * config.steps)
     if warp_codes % (STEP * config.steps):
-        raise ValueError(f"K={in_features} does not split into {config.warps} warps × {config.steps} steps of {STEP}")
+        raise ValueError(f"K={in_features} does not split into {config.warps_k} warps × {config.steps} steps of {STEP}")
     is_fp16 = x.dtype == torch.float16
-    block_m = min(config.block_m, max(8, triton.next_power_of_2(rows)))
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, config.rows_per_program()))
+    grid = (triton.cdiv(out_features, 16 * config.row_tiles),)
     _gemv_kernel[grid](
         x, weight, scales, decode_scale, bias if bias is not None else decode_scale, out,
-        rows, out_features, in_features // 2, in_features // 16, x.stride(0), out.stride(0),
-        0 if on_n else warp_codes // 2, 0 if on_n else warp_codes // 16, iterations,
-        HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_SHIFT_ASM["f16" if is_fp16 else "bf16"],
-        BLOCK_M=block_m, WARPS=config.warps, ROW_TILES=config.row_tiles, STEPS=config.steps,
-        PREFETCH=config.prefetch, WARPS_ON_N=on_n, num_warps=config.warps,
+        rows, out_features, in_features // 2, in_features // 16, x.stride(0), out.stride(0), warp_codes // 2, warp_codes // 16,
+        iterations, HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_SHIFT_ASM["f16" if is_fp16 else "bf16"],
+        BLOCK_M=8 if rows <= 8 else 16, WARPS_K=config.warps_k, ROW_TILES=config.row_tiles, STEPS=config.steps,
+        PREFETCH=config.prefetch, num_warps=config.warps_k,
     )
     return out
