@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python benchmarks/gemv_sweep.py [--out DIR]
 
-For M in {1, 16} and K = N in {4096, 8192}: CUDA-graph time per call (weights rotated past L2) of every
+For M in ``--tokens`` (default 1, 16) and K = N in {4096, 8192}: CUDA-graph time per call (weights rotated past L2) of every
 ``GemvConfig`` in the grid, of the tl kernel's table pick, and of bf16 cuBLAS. Writes gemv_sweep.json.
 """
 
@@ -49,7 +49,7 @@ def check(shapes, dtypes) -> list[dict]:
     return rows_out
 
 
-def sweep(do_bench, l2_bytes) -> list[dict]:
+def sweep(do_bench, l2_bytes, tokens) -> list[dict]:
     from piecewise.kernels.nvfp4 import global_scale_for
     from piecewise.kernels.nvfp4.reference import quantize_reference
     from piecewise.kernels.nvfp4.triton_gemm import GemvConfig, pick_config, w4a16_linear
@@ -65,7 +65,7 @@ def sweep(do_bench, l2_bytes) -> list[dict]:
         pc = [packed.clone() for _ in range(copies)]
         sc = [scales.clone() for _ in range(copies)]
         dense = [w.clone() for _ in range(copies_for(n * k * 2, l2_bytes, 2))]
-        for m in (1, 16):
+        for m in tokens:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
             bf16 = graph_ms([(lambda i=i: torch.matmul(xs[i % 4], dense[i].T)) for i in range(len(dense))], do_bench)
             tl_ms = graph_ms([(lambda i=i: w4a16_linear(xs[i % 4], pc[i], sc[i], decode,
@@ -110,6 +110,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--quick-check", action="store_true")
+    parser.add_argument("--tokens", default="1,16", help="token counts to sweep, comma-separated")
     args = parser.parse_args()
     from triton.testing import do_bench
 
@@ -118,7 +119,7 @@ def main() -> int:
     shapes = [(1, 4096, 4096), (3, 256, 1024), (8, 1536, 5120), (9, 4096, 4096), (16, 8192, 8192), (5, 48, 384)][: 2 if args.quick_check else None]
     payload = {"check": check(shapes, (torch.bfloat16, torch.float16))}
     if not args.no_sweep:
-        payload["sweep"] = sweep(do_bench, l2)
+        payload["sweep"] = sweep(do_bench, l2, [int(t) for t in args.tokens.split(",")])
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gemv_sweep.json").write_text(json.dumps(payload, indent=2))
