@@ -445,8 +445,7 @@ def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_til
              "row_bytes", "row_groups", "stride_x_row", "stride_out_row", "warp_bytes", "warp_groups", "iterations"]
     types = [f"*{dtype}", "*u8", "*u8", "*fp32", f"*{dtype}", f"*{dtype}"] + ["i32"] * 9
     constants = {"HAS_BIAS": True, "IS_FP16": dtype == "fp16", "DECODE": DECODE_SHIFT_ASM["f16" if dtype == "fp16" else "bf16"],
-                 "BLOCK_M": block_m, "WARPS_K": 4, "ROW_TILES": row_tiles, "STEPS": 2, "PREFETCH": prefetch,
-                 "GRID_DEPENDENCY": True}
+                 "BLOCK_M": block_m, "WARPS_K": 4, "ROW_TILES": row_tiles, "STEPS": 2, "PREFETCH": prefetch}
     signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if i < 6 or name != "rows"}
     source = GluonASTSource(fn=gluon_gemv._gemv_kernel, signature=signature, constexprs=constants, attrs=aligned)
@@ -458,4 +457,3 @@ def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_til
         raise
     ptx = kernel.asm["ptx"]
     assert ptx.count("mma.sync.aligned.m16n8k16") > 0 and "ld.global.v4" in ptx
-    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx

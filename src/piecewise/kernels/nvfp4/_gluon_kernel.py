@@ -101,18 +101,6 @@ def _block_scales(scale_byte, IS_FP16: gl.constexpr):
 
 
 @gluon.jit
-def _grid_dependency(WAIT: gl.constexpr):
-    """``griddepcontrol`` (sm_90+): wait for the grids this launch depends on (a no-op unless it was launched
-    with programmatic dependent launch), or let the grids that depend on this one launch."""
-    if WAIT:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    else:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
 def _load_weights(weight_ptrs, scale_ptrs, step, STEPS: gl.constexpr):
     return gl.load(weight_ptrs + step * (16 * STEPS)), gl.load(scale_ptrs + step * (8 * STEPS))
 
@@ -123,7 +111,6 @@ def _gemv_kernel(
     rows, out_features, row_bytes, row_groups, stride_x_row, stride_out_row, warp_bytes, warp_groups, iterations,
     HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
     WARPS_K: gl.constexpr, ROW_TILES: gl.constexpr, STEPS: gl.constexpr, PREFETCH: gl.constexpr,
-    GRID_DEPENDENCY: gl.constexpr,
 ):
     R: gl.constexpr = 16 * ROW_TILES
     P_LAYOUT: gl.constexpr = _word_layout(WARPS_K, ROW_TILES, STEPS)
@@ -162,11 +149,6 @@ def _gemv_kernel(
     w_next = _load_weights(weight_ptrs, scale_ptrs, 0, STEPS)
     if PREFETCH > 1:
         w_after = _load_weights(weight_ptrs, scale_ptrs, gl.minimum(1, last), STEPS)
-    if GRID_DEPENDENCY:
-        # Launched as a programmatic dependent: the first weight words (never written by the kernels before
-        # this one) are already loading; the activations and the output wait for the grids before.
-        _grid_dependency(True)
-        _grid_dependency(False)
     for it in range(iterations):
         current = w_next
         if PREFETCH > 1:

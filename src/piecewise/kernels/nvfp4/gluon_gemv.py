@@ -100,11 +100,6 @@ def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -
     return GemvConfig(warps_k=warps, row_tiles=row_tiles, steps=steps, prefetch=prefetch)
 
 
-PDL = "capture"
-"""Programmatic dependent launch on sm_90+: ``"capture"`` (launches recorded into a CUDA graph), ``"off"``, or
-``"always"`` (benchmarks only: an eager launch may then read weights that the kernel right before it wrote)."""
-
-
 @functools.cache
 def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
@@ -128,13 +123,11 @@ def w4a16_gemv(
         raise ValueError(f"K={in_features} does not split into {config.warps_k} warps × {config.steps} steps of {STEP}")
     is_fp16 = x.dtype == torch.float16
     grid = (triton.cdiv(out_features, 16 * config.row_tiles),)
-    hopper = _capability_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 9
-    pdl = hopper and (PDL == "always" or (PDL == "capture" and torch.cuda.is_current_stream_capturing()))
     _gemv_kernel[grid](
         x, weight, scales, decode_scale, bias if bias is not None else decode_scale, out,
         rows, out_features, in_features // 2, in_features // 16, x.stride(0), out.stride(0), warp_codes // 2, warp_codes // 16,
         iterations, HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_SHIFT_ASM["f16" if is_fp16 else "bf16"],
         BLOCK_M=8 if rows <= 8 else 16, WARPS_K=config.warps_k, ROW_TILES=config.row_tiles, STEPS=config.steps,
-        PREFETCH=config.prefetch, GRID_DEPENDENCY=hopper, num_warps=config.warps_k, launch_pdl=pdl,
+        PREFETCH=config.prefetch, num_warps=config.warps_k,
     )
     return out
