@@ -413,7 +413,7 @@ def test_decode_kernel_config_rules():
     from piecewise.kernels.nvfp4.gluon_gemv import GemvConfig, pick_gemv_config
 
     assert pick_gemv_config(1, 4096, 1040, sms=132) is None  # K not a multiple of 128: the tl kernel runs
-    for rows in (1, 16):
+    for rows in range(1, 17):
         for n in (512, 4096, 8192):
             for k in (128, 384, 1536, 4096, 5120, 14336):
                 config = pick_gemv_config(rows, n, k, sms=132)
@@ -422,6 +422,8 @@ def test_decode_kernel_config_rules():
     assert pick_gemv_config(1, 4096, 4096, sms=132) == GemvConfig(warps_k=8, row_tiles=1, steps=2)
     assert pick_gemv_config(1, 8192, 8192, sms=132) == GemvConfig(warps_k=4, row_tiles=1, steps=4)
     assert pick_gemv_config(9, 4096, 4096, sms=132).row_tiles == 2  # the activation fragment serves 32 rows
+    assert pick_gemv_config(8, 4096, 4096, sms=132) == GemvConfig(warps_k=4, row_tiles=1, steps=2, prefetch=2)
+    assert pick_gemv_config(5, 8192, 8192, sms=132) == GemvConfig(warps_k=8, row_tiles=2, steps=1)
     for bad in ({"warps_k": 3}, {"warps_k": 8, "row_tiles": 0}, {"warps_k": 8, "prefetch": 3}):
         with pytest.raises(ValueError, match="powers of two"):
             GemvConfig(**bad)

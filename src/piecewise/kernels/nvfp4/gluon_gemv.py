@@ -75,24 +75,26 @@ class GemvConfig:
             raise ValueError(f"{self}: warps_k, row_tiles and steps must be powers of two, prefetch 1 or 2")
 
 
+# (most tokens, (warps_k, row_tiles, steps, prefetch)) for wide layers (at least two 16-row programs per SM) and
+# for narrower ones; the first row whose bound is ≥ the token count is used.
+_WIDE = ((2, (4, 1, 4, 1)), (4, (4, 1, 2, 2)), (8, (8, 2, 1, 1)), (16, (4, 2, 1, 2)))
+_NARROW = ((2, (8, 1, 2, 1)), (8, (4, 1, 2, 2)), (16, (8, 2, 2, 1)))
+
+
 @functools.cache
 def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -> GemvConfig | None:
     """A configuration for x [rows, K] × W [N, K], or None when K is not a multiple of 128 (the tl kernel runs).
 
-    From a sweep on an H200 (``benchmarks/gemv_sweep.py``, K = N = 4096 and 8192, 1 and 16 tokens): two 16-row
-    tiles per warp for 9..16 tokens (each activation fragment then serves 32 rows); for wide layers (at least
-    two 16-row programs per SM) 4 warps on K with 4 steps (≤ 8 tokens) or 1 step and 2 in flight (9..16), else 8
-    warps with 2 steps. Steps, then warps, are halved until they divide K's 128-code steps.
+    From sweeps on an H200 (``benchmarks/gemv_sweep.py``, K = N = 4096 and 8192, 1..16 tokens): fewer steps in
+    flight and, from 5 tokens on wide layers and 9 on narrower ones, two 16-row tiles per warp (each activation
+    fragment then serves 32 rows) as the token count grows. Steps, then warps, are halved until they divide
+    K's 128-code steps.
     """
     if in_features % STEP:
         return None
     steps_total = in_features // STEP
-    wide = out_features >= 32 * sms
-    row_tiles = 2 if rows > 8 else 1
-    if wide:
-        warps, steps, prefetch = (4, 1, 2) if rows > 8 else (4, 4, 1)
-    else:
-        warps, steps, prefetch = 8, 2, 1
+    table = _WIDE if out_features >= 32 * sms else _NARROW
+    warps, row_tiles, steps, prefetch = next(config for bound, config in table if rows <= bound)
     while steps > 1 and steps_total % (warps * steps):
         steps //= 2
     while warps > 1 and steps_total % (warps * steps):
