@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nvfp4 import copies_for, graph_ms  # noqa: E402
+from nvfp4 import graph_ms, rotated_weights  # noqa: E402
 
 
 CONFIGS = [(8, 1, 1, 1), (8, 1, 1, 2), (8, 1, 2, 1), (8, 1, 2, 2), (8, 2, 1, 1), (8, 2, 1, 2), (4, 1, 1, 2), (4, 1, 2, 2),
@@ -50,21 +50,14 @@ def check(shapes, dtypes) -> list[dict]:
 
 
 def sweep(do_bench, l2_bytes, tokens) -> list[dict]:
-    from piecewise.kernels.nvfp4 import global_scale_for
-    from piecewise.kernels.nvfp4.reference import quantize_reference
     from piecewise.kernels.nvfp4.triton_gemm import GemvConfig, pick_config, w4a16_linear
 
     results = []
     for size in (4096, 8192):
         n = k = size
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        gs = global_scale_for(w)
-        packed, scales = quantize_reference(w, gs)
-        decode = torch.reciprocal(gs).reshape(())
-        copies = copies_for(n * k // 2 + n * k // 16, l2_bytes, 8)
-        pc = [packed.clone() for _ in range(copies)]
-        sc = [scales.clone() for _ in range(copies)]
-        dense = [w.clone() for _ in range(copies_for(n * k * 2, l2_bytes, 2))]
+        weights = rotated_weights(size, l2_bytes)
+        decode, pc, sc, dense = weights["decode"], weights["packed_copies"], weights["scale_copies"], weights["dense_copies"]
+        copies = len(pc)
         for m in tokens:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
             bf16 = graph_ms([(lambda i=i: torch.matmul(xs[i % 4], dense[i].T)) for i in range(len(dense))], do_bench)

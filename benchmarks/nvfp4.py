@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-M_VALUES = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
+M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 SIZES = (4096, 8192)
 
 
@@ -89,22 +89,32 @@ def bench_quantize(do_bench, bandwidth: float, quick: bool) -> list[dict]:
     return results
 
 
-def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, sweep: bool) -> list[dict]:
+def rotated_weights(size: int, l2_bytes: int) -> dict:
+    """A random size×size weight, NVFP4-quantized by the reference (torch ops on the GPU: no dependence on the
+    kernels), with enough copies of it (and of its bf16 original) that rotating through them misses L2, and its
+    dequantized float32 values for checks."""
     from piecewise.kernels.nvfp4 import global_scale_for
     from piecewise.kernels.nvfp4.reference import quantize_reference
+
+    weight = torch.randn(size, size, device="cuda", dtype=torch.bfloat16) * 0.02
+    gs = global_scale_for(weight)
+    packed, scales = quantize_reference(weight, gs)
+    copies = copies_for(packed.numel() + scales.numel(), l2_bytes, 8)
+    return {"packed": packed, "scales": scales, "decode": torch.reciprocal(gs).reshape(()),
+            "packed_copies": [packed.clone() for _ in range(copies)], "scale_copies": [scales.clone() for _ in range(copies)],
+            "dense_copies": [weight.clone() for _ in range(copies_for(weight.numel() * 2, l2_bytes, 2))],
+            "reference": _dequantized(packed, scales, gs)}
+
+
+def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, sweep: bool) -> list[dict]:
     from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, w4a16_linear
 
     n = k = size
-    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    gs = global_scale_for(weight)
-    packed, scales = quantize_reference(weight, gs)  # on the GPU via torch ops: no dependence on the kernel
-    decode = torch.reciprocal(gs)
     weight_bytes = n * k // 2 + n * k // 16
-    copies = copies_for(weight_bytes, l2_bytes, 8)
-    packed_copies = [packed.clone() for _ in range(copies)]
-    scale_copies = [scales.clone() for _ in range(copies)]
-    dense_copies = [weight.clone() for _ in range(copies_for(n * k * 2, l2_bytes, 2))]
-    reference_weight = _dequantized(packed, scales, gs)
+    w = rotated_weights(size, l2_bytes)
+    decode, packed_copies, scale_copies = w["decode"], w["packed_copies"], w["scale_copies"]
+    dense_copies, reference_weight = w["dense_copies"], w["reference"]
+    copies = len(packed_copies)
     results = []
     for m in m_values:
         x_copies = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(min(copies, 8))]
@@ -157,18 +167,21 @@ def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, s
 
 def kernel_config(m: int, n: int, k: int) -> dict:
     """What ``w4a16_linear`` launches for bf16 x [m, k] and W [n, k], for the report."""
-    from piecewise.kernels.nvfp4.gluon_gemv import GemvConfig
+    from piecewise.kernels.nvfp4.gluon_gemv import GemvConfig, WgmmaConfig
     from piecewise.kernels.nvfp4.triton_gemm import select_config
 
     config = select_config(m, n, k, torch.bfloat16, torch.cuda.current_device())
     if config is None:
         return {"path": "dequantize + cuBLAS"}
-    return {"path": "gluon" if isinstance(config, GemvConfig) else "tl", **config.__dict__}
+    path = "gluon" if isinstance(config, GemvConfig) else "gluon wgmma" if isinstance(config, WgmmaConfig) else "tl"
+    return {"path": path, **config.__dict__}
 
 
 def config_text(c: dict) -> str:
     if c["path"] == "gluon":
         return f"gluon mma.sync, {c['warps_k']} warps on K, {16 * c['row_tiles']} rows/warp"
+    if c["path"] == "gluon wgmma":
+        return f"gluon wgmma, {16 * c['warps']} rows x {c['block_m']} tokens, {128 * c['steps']} k/iteration"
     if c["path"] == "tl" or "block_m" in c:
         return f"tl {c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} split{c['split_k']}"
     return c["path"]

@@ -429,9 +429,12 @@ def test_decode_kernel_config_rules():
             GemvConfig(**bad)
 
 
-@pytest.mark.parametrize("dtype,block_m,row_tiles,prefetch", [("bf16", 8, 1, 1), ("fp16", 16, 2, 2)])
-def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_tiles, prefetch):
-    """The Gluon kernel builds for sm_90 with this Triton (its mma-operand layout checks run at compile time)."""
+_KERNEL_ARGS = ["x_ptr", "weight_ptr", "scales_ptr", "decode_scale_ptr", "bias_ptr", "out_ptr", "rows", "out_features",
+                "row_bytes", "row_groups", "stride_x_row", "stride_out_row"]
+
+
+def compile_for_hopper(kernel_name: str, int_args: list[str], dtype: str, constants: dict, num_warps: int) -> str:
+    """PTX of a Gluon kernel of ``gluon_gemv`` built for sm_90 without a GPU (its layout checks run at compile time)."""
     pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -443,19 +446,55 @@ def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_til
     import triton
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    names = ["x_ptr", "weight_ptr", "scales_ptr", "decode_scale_ptr", "bias_ptr", "out_ptr", "rows", "out_features",
-             "row_bytes", "row_groups", "stride_x_row", "stride_out_row", "warp_bytes", "warp_groups", "iterations"]
-    types = [f"*{dtype}", "*u8", "*u8", "*fp32", f"*{dtype}", f"*{dtype}"] + ["i32"] * 9
-    constants = {"HAS_BIAS": True, "IS_FP16": dtype == "fp16", "DECODE": DECODE_SHIFT_ASM["f16" if dtype == "fp16" else "bf16"],
-                 "BLOCK_M": block_m, "WARPS_K": 4, "ROW_TILES": row_tiles, "STEPS": 2, "PREFETCH": prefetch}
+    names = _KERNEL_ARGS + int_args
+    types = [f"*{dtype}", "*u8", "*u8", "*fp32", f"*{dtype}", f"*{dtype}"] + ["i32"] * (len(names) - 6)
+    constants = {"HAS_BIAS": True, "IS_FP16": dtype == "fp16",
+                 "DECODE": DECODE_SHIFT_ASM["f16" if dtype == "fp16" else "bf16"]} | constants
     signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if i < 6 or name != "rows"}
-    source = GluonASTSource(fn=gluon_gemv._gemv_kernel, signature=signature, constexprs=constants, attrs=aligned)
+    source = GluonASTSource(fn=getattr(gluon_gemv, kernel_name), signature=signature, constexprs=constants, attrs=aligned)
     try:
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     except RuntimeError as exc:
         if "ptxas" in str(exc).lower() and "not found" in str(exc).lower():
             pytest.skip(f"no ptxas here: {exc}")
         raise
-    ptx = kernel.asm["ptx"]
+    return kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("dtype,block_m,row_tiles,prefetch", [("bf16", 8, 1, 1), ("fp16", 16, 2, 2)])
+def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_tiles, prefetch):
+    """The Gluon decode kernel builds for sm_90 with this Triton (its mma-operand layout checks run at compile time)."""
+    ptx = compile_for_hopper(
+        "_gemv_kernel", ["warp_bytes", "warp_groups", "iterations"], dtype,
+        {"BLOCK_M": block_m, "WARPS_K": 4, "ROW_TILES": row_tiles, "STEPS": 2, "PREFETCH": prefetch}, num_warps=4)
     assert ptx.count("mma.sync.aligned.m16n8k16") > 0 and "ld.global.v4" in ptx
+
+
+@pytest.mark.parametrize("dtype,block_m,warps,steps", [("bf16", 32, 4, 2), ("fp16", 128, 8, 1)])
+def test_wgmma_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, warps, steps):
+    """The Gluon wgmma kernel builds for sm_90: the decoded weight is wgmma's register operand A (a layout that
+    is not a register renaming of the loaded words fails the compile)."""
+    from piecewise.kernels.nvfp4 import gluon_gemv
+
+    if not gluon_gemv.WGMMA_AVAILABLE:
+        pytest.skip("this Triton's Gluon has no Hopper wgmma")
+    ptx = compile_for_hopper("_wgmma_kernel", ["iterations"], dtype,
+                             {"BLOCK_M": block_m, "WARPS": warps, "STEPS": steps}, num_warps=warps)
+    assert ptx.count("wgmma.mma_async") > 0 and "ld.global.v4" in ptx
+
+
+def test_wgmma_kernel_config_rules():
+    pytest.importorskip("triton")
+    from piecewise.kernels.nvfp4.gluon_gemv import WgmmaConfig, pick_wgmma_config
+
+    for rows in (1, 16, 32, 256, 4096):
+        assert pick_wgmma_config(rows, 4096, 4096, sms=132) is None  # other kernels' token counts
+    assert pick_wgmma_config(64, 4096, 1040, sms=132) is None  # K not a multiple of 128: the tl kernel runs
+    assert pick_wgmma_config(64, 4096, 4096, sms=132) == WgmmaConfig(32, 4, 2)
+    assert pick_wgmma_config(200, 4096, 4096, sms=132) == WgmmaConfig(64, 8, 1)
+    assert pick_wgmma_config(100, 8192, 8192, sms=132) == WgmmaConfig(64, 8, 1)
+    assert pick_wgmma_config(200, 8192, 8192, sms=132) == WgmmaConfig(128, 8, 1)
+    assert pick_wgmma_config(40, 4096, 384, sms=132).steps == 1  # 3 steps of K do not split in twos
+    with pytest.raises(ValueError, match="block_m must be"):
+        WgmmaConfig(48, 4)

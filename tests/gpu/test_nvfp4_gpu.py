@@ -6,8 +6,9 @@ import torch
 import piecewise
 from piecewise.kernels.nvfp4 import NVFP4Linear, dequantize, global_scale_for, linear, quantize
 from piecewise.kernels.nvfp4 import reference, swizzle_scales
-from piecewise.kernels.nvfp4.gluon_gemv import AVAILABLE as GLUON, GemvConfig, pick_gemv_config
-from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_config, sm_count, w4a16_linear
+from piecewise.kernels.nvfp4.gluon_gemv import AVAILABLE as GLUON, WGMMA_AVAILABLE, GemvConfig, WgmmaConfig
+from piecewise.kernels.nvfp4.gluon_gemv import pick_gemv_config, pick_wgmma_config
+from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_config, select_config, sm_count, w4a16_linear
 
 pytestmark = pytest.mark.gpu
 
@@ -125,6 +126,21 @@ def test_config_table_splits_k_for_decode_and_not_for_prefill():
     assert pick_config(200, 4096, 4096, sms).block_m == 128
 
 
+def assert_matches_dense_and_tl(rows, packed, scales, decode, dtype, config, tl_config):
+    """A Gluon kernel's output, with and without bias, against dequantize + matmul and (same products, float32
+    summation order aside) the tl kernel."""
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    x = torch.randn(rows, in_features, device="cuda", dtype=dtype) * 3
+    bias = torch.randn(out_features, device="cuda", dtype=dtype)
+    dense = dequantize(packed, scales, torch.reciprocal(decode), dtype=torch.float32)
+    for b in (None, bias):
+        out = w4a16_linear(x, packed, scales, decode, b, config=config)
+        expected = x.float() @ dense.T + (b.float() if b is not None else 0.0)
+        assert out.dtype == dtype and out.shape == (rows, out_features)
+        assert rel_error(out, expected) <= 1e-2
+        assert rel_error(out, w4a16_linear(x, packed, scales, decode, b, config=tl_config)) <= 2e-3
+
+
 @pytest.mark.skipif(not GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 16])
 @pytest.mark.parametrize(
@@ -145,17 +161,7 @@ def test_gluon_decode_kernel_matches_dequantize_then_matmul(rows, out_features, 
     packed, scales, decode = random_weight(out_features, in_features, seed=rows * 7 + in_features)
     config = config or pick_gemv_config(rows, out_features, in_features, sm_count(torch.cuda.current_device()))
     assert config is not None
-    x = torch.randn(rows, in_features, device="cuda", dtype=dtype) * 3
-    bias = torch.randn(out_features, device="cuda", dtype=dtype)
-    dense = dequantize(packed, scales, torch.reciprocal(decode), dtype=torch.float32)
-    for b in (None, bias):
-        out = w4a16_linear(x, packed, scales, decode, b, config=config)
-        expected = x.float() @ dense.T + (b.float() if b is not None else 0.0)
-        assert out.dtype == dtype and out.shape == (rows, out_features)
-        assert rel_error(out, expected) <= 1e-2
-        # Same products as the tl kernel up to float32 summation order.
-        other = w4a16_linear(x, packed, scales, decode, b, config=GemmConfig(16, 64, 128, 4, 3))
-        assert rel_error(out, other) <= 2e-3
+    assert_matches_dense_and_tl(rows, packed, scales, decode, dtype, config, GemmConfig(16, 64, 128, 4, 3))
 
 
 def test_decode_kernel_is_picked_only_where_it_applies():
@@ -166,24 +172,64 @@ def test_decode_kernel_is_picked_only_where_it_applies():
     assert pick_gemv_config(1, 1000, 1040, sms) is None  # K not a multiple of 128: the tl kernel runs
 
 
-def test_a_gluon_failure_falls_back_to_the_tl_kernel_with_one_warning(monkeypatch, caplog):
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not (WGMMA_AVAILABLE and HOPPER), reason="the wgmma kernel needs Gluon and sm_90")
+@pytest.mark.parametrize("rows", [33, 64, 100, 255])
+@pytest.mark.parametrize(
+    "out_features,in_features,config",
+    [
+        (4096, 4096, None),  # the table's pick
+        (4352, 2048, None),  # a wide layer
+        (1000, 2048, WgmmaConfig(64, 8, 1)),  # N not a multiple of the 128 rows of a program
+        (520, 384, WgmmaConfig(32, 4, 1)),  # 3 iterations
+        (64, 128, WgmmaConfig(128, 4, 1)),  # one iteration, one program of rows
+        (256, 1024, WgmmaConfig(16, 8, 2)),
+        (384, 11008, None),  # K = 86 steps of 128
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_wgmma_kernel_matches_dequantize_then_matmul(rows, out_features, in_features, config, dtype):
+    packed, scales, decode = random_weight(out_features, in_features, seed=rows * 5 + in_features)
+    config = config or pick_wgmma_config(rows, out_features, in_features, sm_count(torch.cuda.current_device()))
+    assert isinstance(config, WgmmaConfig)
+    assert_matches_dense_and_tl(rows, packed, scales, decode, dtype, config, GemmConfig(64, 64, 128, 4, 3))
+
+
+@pytest.mark.skipif(not (WGMMA_AVAILABLE and HOPPER), reason="the wgmma kernel needs Gluon and sm_90")
+def test_each_token_count_gets_its_kernel():
+    device = torch.cuda.current_device()
+    assert isinstance(select_config(16, 4096, 4096, torch.bfloat16, device), GemvConfig)
+    assert isinstance(select_config(32, 4096, 4096, torch.bfloat16, device), GemmConfig)
+    for rows in (33, 128, 255):
+        assert isinstance(select_config(rows, 4096, 4096, torch.bfloat16, device), WgmmaConfig)
+    assert select_config(256, 4096, 4096, torch.bfloat16, device) is None  # dequantize + cuBLAS
+    assert isinstance(select_config(256, 4096, 4096, torch.float16, device), GemmConfig)
+    assert isinstance(select_config(64, 1000, 1040, torch.bfloat16, device), GemmConfig)  # K not a multiple of 128
+
+
+@pytest.mark.parametrize("rows,kernel", [(3, "w4a16_gemv"), (40, "w4a16_wgmma")])
+def test_a_gluon_failure_falls_back_to_the_tl_kernel_with_one_warning(monkeypatch, caplog, rows, kernel):
     from piecewise.kernels.nvfp4 import gluon_gemv, triton_gemm
 
     packed, scales, decode = random_weight(256, 1024, seed=5)
-    x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
-    expected = w4a16_linear(x, packed, scales, decode, config=pick_config(3, 256, 1024, sm_count(0)))
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    expected = w4a16_linear(x, packed, scales, decode, config=pick_config(rows, 256, 1024, sm_count(0)))
 
     def broken(*args, **kwargs):
         raise AttributeError("module 'triton.experimental.gluon.language' has no attribute 'DistributedLinearLayout'")
 
-    monkeypatch.setattr(gluon_gemv, "w4a16_gemv", broken)
+    monkeypatch.setattr(gluon_gemv, kernel, broken)
     monkeypatch.setattr(triton_gemm, "_gluon_failure", [])
+    if not isinstance(select_config(rows, 256, 1024, torch.bfloat16, 0), (GemvConfig, WgmmaConfig)):
+        pytest.skip("no Gluon kernel for this call on this GPU")
     with caplog.at_level("WARNING", logger="piecewise.kernels.nvfp4.triton_gemm"):
         first = w4a16_linear(x, packed, scales, decode)
         second = w4a16_linear(x, packed, scales, decode)
     assert torch.equal(first, expected) and torch.equal(second, expected)
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "Gluon decode kernel failed" in warnings[0] and "DistributedLinearLayout" in warnings[0]
+    assert len(warnings) == 1 and "Gluon kernel failed" in warnings[0] and "DistributedLinearLayout" in warnings[0]
 
 
 def subnormal_scale_weight(out_features: int, in_features: int):
@@ -247,7 +293,7 @@ def test_fp32_activations_on_cuda_are_rejected_with_a_remedy():
         layer(torch.randn(2, 64, device="cuda"))
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 200])
+@pytest.mark.parametrize("tokens", [1, 16, 40, 200])
 def test_nvfp4_linear_in_a_cuda_graph_equals_eager(tokens):
     torch.manual_seed(tokens)
     layer = NVFP4Linear.from_linear(torch.nn.Linear(2048, 1536).to(torch.bfloat16).cuda())

@@ -47,6 +47,20 @@ def _x_layout(warps_k, block_m, steps):
     )
 
 @gluon.jit
+def _decoded_codes(words, DECODE: gl.constexpr, IS_FP16: gl.constexpr):
+    """Weight words [..., Q] → 16-bit codes [..., Q, 2, 2, 2]. Word q = 16d + 4t + i of a row holds the lane's
+    codes 8i .. 8i + 7; code 8i + c sits at (q, c0, c1, c2) with c = c0 + 2·c1 + 4·c2. Codes c and c + 4 share a
+    register (DECODE_SHIFT_ASM)."""
+    if IS_FP16:
+        c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    return gl.join(gl.join(gl.join(c0, c1), gl.join(c2, c3)), gl.join(gl.join(c4, c5), gl.join(c6, c7)))
+
+
+@gluon.jit
 def _operands(words, scale, xv, DECODE: gl.constexpr, IS_FP16: gl.constexpr, A_LAYOUT: gl.constexpr,
               B_LAYOUT: gl.constexpr):
     """Weight words, block scales (16-bit floats, see ``_block_scales``) and activations → (A, B) in the mma
@@ -55,15 +69,7 @@ def _operands(words, scale, xv, DECODE: gl.constexpr, IS_FP16: gl.constexpr, A_L
     R: gl.constexpr = words.shape[1]
     S: gl.constexpr = words.shape[2] // 16
     BM: gl.constexpr = xv.shape[1]
-    if IS_FP16:
-        c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-    else:
-        c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-    # Word q = 16d + 4t + i of a row holds the lane's codes 8i .. 8i + 7; code 8i + c sits at (q, c0, c1, c2)
-    # with c = c0 + 2·c1 + 4·c2. Codes c and c + 4 share a register (DECODE_SHIFT_ASM).
-    codes = gl.join(gl.join(gl.join(c0, c1), gl.join(c2, c3)), gl.join(gl.join(c4, c5), gl.join(c6, c7)))
+    codes = _decoded_codes(words, DECODE, IS_FP16)
     # Dims: WK, R, d, t, i_hi, i_lo, c0, c1, c2. Scale block of the code: 2t + i_hi.
     codes = gl.reshape(codes, [WK, R, S, 4, 2, 2, 2, 2, 2])
     L8: gl.constexpr = gl.SliceLayout(8, codes.type.layout)

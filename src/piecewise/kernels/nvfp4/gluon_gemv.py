@@ -51,6 +51,12 @@ try:
     AVAILABLE = True
 except Exception:  # noqa: BLE001 - a Triton without Gluon, or whose Gluon API differs: the tl kernel runs
     AVAILABLE = False
+try:
+    from ._gluon_wgmma import _wgmma_kernel
+
+    WGMMA_AVAILABLE = AVAILABLE
+except Exception:  # noqa: BLE001 - as above: the tl kernel runs for 33..255 tokens
+    WGMMA_AVAILABLE = False
 
 STEP = 128
 """Codes of K per warp per step (4 threads × 32)."""
@@ -131,5 +137,72 @@ def w4a16_gemv(
         iterations, HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_SHIFT_ASM["f16" if is_fp16 else "bf16"],
         BLOCK_M=8 if rows <= 8 else 16, WARPS_K=config.warps_k, ROW_TILES=config.row_tiles, STEPS=config.steps,
         PREFETCH=config.prefetch, num_warps=config.warps_k,
+    )
+    return out
+
+
+# --- 33..255 tokens: the wgmma kernel (``_gluon_wgmma``) -------------------------------------------------------
+
+WGMMA_ROWS = (33, 255)
+"""Token counts that use the wgmma kernel (below: the decode kernel or the tl kernel; above, bf16: cuBLAS)."""
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    block_m: int
+    """Tokens per program (wgmma's N): 16, 32, 64 or 128."""
+    warps: int
+    """4 or 8: one 16-row slice of the weight per warp, so 64 or 128 weight rows per program."""
+    steps: int = 1
+    """128-code steps per iteration (1 or 2)."""
+
+    def __post_init__(self):
+        if self.block_m not in (16, 32, 64, 128) or self.warps not in (4, 8) or self.steps not in (1, 2):
+            raise ValueError(f"{self}: block_m must be 16, 32, 64 or 128, warps 4 or 8, steps 1 or 2")
+
+
+# (most tokens, (block_m, warps, steps)), for layers narrower and wider than 32 rows per SM; from a sweep on an
+# H200 (K = N = 4096 and 8192, 32..224 tokens; benchmarks/results/2026-11-29-h200-wgmma_sweep.md).
+_WGMMA_NARROW = ((128, (32, 4, 2)), (255, (64, 8, 1)))
+_WGMMA_WIDE = ((64, (32, 4, 2)), (128, (64, 8, 1)), (255, (128, 8, 1)))
+
+
+@functools.cache
+def pick_wgmma_config(rows: int, out_features: int, in_features: int, sms: int) -> WgmmaConfig | None:
+    """The wgmma kernel's configuration for x [rows, K] × W [N, K], or None outside 33..255 tokens or when K is
+    not a multiple of 128."""
+    if in_features % STEP or not WGMMA_ROWS[0] <= rows <= WGMMA_ROWS[1]:
+        return None
+    table = _WGMMA_WIDE if out_features >= 32 * sms else _WGMMA_NARROW
+    block_m, warps, steps = next(config for bound, config in table if rows <= bound)
+    if (in_features // STEP) % steps:
+        steps = 1
+    return WgmmaConfig(block_m=block_m, warps=warps, steps=steps)
+
+
+def wgmma_supported(rows: int, in_features: int, device_index: int) -> bool:
+    """Whether the wgmma kernel can take this call (33..255 tokens, K a multiple of 128, sm_90: wgmma is Hopper's)."""
+    return (WGMMA_AVAILABLE and WGMMA_ROWS[0] <= rows <= WGMMA_ROWS[1] and in_features % STEP == 0
+            and _capability_major(device_index) == 9)
+
+
+def w4a16_wgmma(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, decode_scale: torch.Tensor,
+    bias: torch.Tensor | None, out: torch.Tensor, config: WgmmaConfig,
+) -> torch.Tensor:
+    """``out = x @ W.T (+ bias)`` for checked, contiguous operands (``scales`` as uint8); returns ``out``."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    if in_features % (STEP * config.steps):
+        raise ValueError(f"K={in_features} is not a multiple of {config.steps} steps of {STEP}")
+    is_fp16 = x.dtype == torch.float16
+    block_m = min(config.block_m, max(16, triton.next_power_of_2(rows)))
+    grid = (triton.cdiv(out_features, 16 * config.warps), triton.cdiv(rows, block_m))
+    _wgmma_kernel[grid](
+        x, weight, scales, decode_scale, bias if bias is not None else decode_scale, out,
+        rows, out_features, in_features // 2, in_features // 16, x.stride(0), out.stride(0),
+        in_features // (STEP * config.steps),
+        HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_SHIFT_ASM["f16" if is_fp16 else "bf16"],
+        BLOCK_M=block_m, WARPS=config.warps, STEPS=config.steps, num_warps=config.warps,
     )
     return out

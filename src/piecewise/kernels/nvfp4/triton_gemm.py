@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_gemm_inputs
-from .gluon_gemv import GemvConfig, gemv_supported, pick_gemv_config
+from .gluon_gemv import GemvConfig, WgmmaConfig, gemv_supported, pick_gemv_config, pick_wgmma_config, wgmma_supported
 from . import gluon_gemv
 from .ptx import DECODE_ASM
 
@@ -272,30 +272,35 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 _gluon_failure: list[str] = []
-"""Why the Gluon decode kernel is off in this process (empty while it is on)."""
+"""Why the Gluon kernels are off in this process (empty while they are on)."""
 
 
 def _disable_gluon(exc: BaseException) -> None:
     """Gluon is experimental in Triton and its API moves between releases: one failure turns the kernel off."""
     _gluon_failure.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     logger.warning(
-        "NVFP4: the Gluon decode kernel failed on triton %s (%s); decode (1..16 tokens) uses the tl kernel from now on",
+        "NVFP4: a Gluon kernel failed on triton %s (%s); 1..16 and 33..255 tokens use the tl kernel from now on",
         triton.__version__, _gluon_failure[0],
     )
 
 
 def select_config(
     rows: int, out_features: int, in_features: int, dtype: torch.dtype, device_index: int
-) -> GemmConfig | GemvConfig | None:
-    """What ``w4a16_linear`` launches for x [rows, K] × W [N, K]: the Gluon decode kernel's config, the tl
-    kernel's, or None for dequantize + cuBLAS (bf16 prefill)."""
+) -> GemmConfig | GemvConfig | WgmmaConfig | None:
+    """What ``w4a16_linear`` launches for x [rows, K] × W [N, K]: a Gluon kernel's config (decode kernel for 1..16
+    tokens, wgmma kernel for 33..255 on Hopper), the tl kernel's, or None for dequantize + cuBLAS (bf16 prefill)."""
     if rows >= DENSE_FROM_ROWS and dtype == torch.bfloat16:
         return None
     sms = sm_count(device_index)
-    if not _gluon_failure and gemv_supported(rows, in_features, device_index):
-        gemv = pick_gemv_config(rows, out_features, in_features, sms)
-        if gemv is not None:
-            return gemv
+    if not _gluon_failure:
+        if gemv_supported(rows, in_features, device_index):
+            gemv = pick_gemv_config(rows, out_features, in_features, sms)
+            if gemv is not None:
+                return gemv
+        if wgmma_supported(rows, in_features, device_index):
+            wgmma = pick_wgmma_config(rows, out_features, in_features, sms)
+            if wgmma is not None:
+                return wgmma
     return pick_config(rows, out_features, in_features, sms)
 
 
@@ -305,10 +310,11 @@ def w4a16_linear(
     scales: torch.Tensor,
     decode_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: GemmConfig | GemvConfig | None = None,
+    config: GemmConfig | GemvConfig | WgmmaConfig | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T + bias`` → [M, N] in x's dtype, on CUDA. ``config`` overrides the choice (benchmarks):
-    a ``GemvConfig`` runs the Gluon decode kernel, a ``GemmConfig`` the tl kernel."""
+    a ``GemvConfig`` runs the Gluon decode kernel, a ``WgmmaConfig`` the Gluon wgmma kernel, a ``GemmConfig`` the
+    tl kernel."""
     check_gemm_inputs(x, weight, scales, decode_scale, bias)
     rows, in_features = x.shape
     out_features = weight.shape[0]
@@ -326,9 +332,11 @@ def w4a16_linear(
         config = select_config(rows, out_features, in_features, x.dtype, device_index)
         if config is None:
             return _dense_linear(x, weight, scales, decode_scale, bias)
-    if isinstance(config, GemvConfig):
+    if isinstance(config, (GemvConfig, WgmmaConfig)):
         try:
-            return gluon_gemv.w4a16_gemv(x, weight, scales, decode_scale, bias, out, config)
+            if isinstance(config, GemvConfig):
+                return gluon_gemv.w4a16_gemv(x, weight, scales, decode_scale, bias, out, config)
+            return gluon_gemv.w4a16_wgmma(x, weight, scales, decode_scale, bias, out, config)
         except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon does not compile this kernel
             if not chosen:
                 raise
