@@ -1,12 +1,16 @@
 """Decode-step latency on the "L16" model: eager, full CUDA graph, hand-made piecewise floor, piecewise
 (eager pieces), piecewise (inductor pieces), torch.compile reduce-overhead; plus capture time and pool bytes.
 
-    PYTHONPATH=src python benchmarks/decode_step.py --out DIR
+    PYTHONPATH=src python benchmarks/decode_step.py --out DIR [--nvfp4] [--skip-inductor] [--gc-freeze]
+
+``--nvfp4`` runs the model with every Linear but the output head as ``NVFP4Linear`` (W4A16), and adds the full
+CUDA graph of the same model with its bf16 weights for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import json
@@ -132,12 +136,19 @@ def main() -> int:
         "--gc-freeze", action="store_true",
         help="gc.freeze() after set-up, before timing (as serving engines do after start-up)",
     )
+    parser.add_argument("--nvfp4", action="store_true", help="NVFP4 weights (every Linear but lm_head)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("decode_step.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     model = DecodeLlama(L16).to(device="cuda", dtype=torch.bfloat16).eval()
+    bf16_model = None
+    if args.nvfp4:
+        from piecewise.kernels.nvfp4 import quantize_linears
+
+        bf16_model = copy.deepcopy(model)
+        quantize_linears(model)
     cache = model.make_kv_cache(max(BATCHES))
     cache.normal_()
     results: dict[str, dict[int, float]] = {}
@@ -161,6 +172,10 @@ def main() -> int:
             step()
             record_error("hand piecewise (floor)", batch, out, refs[batch])
             steps[batch]["hand piecewise (floor)"] = step
+            if bf16_model is not None:
+                step, out = full_graph(bf16_model, ids, positions, cache)
+                step()
+                steps[batch]["full graph, bf16 weights"] = step
 
     capture = {}
     runners = []
@@ -221,6 +236,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "command": "PYTHONPATH=src python benchmarks/decode_step.py " + " ".join(sys.argv[1:]),
         "model": "L16: hidden 2048, 16 q / 4 kv heads, head_dim 128, FFN 5632, 16 layers, bf16, KV context 1024",
+        "weights": "NVFP4 (every Linear but lm_head), W4A16" if args.nvfp4 else "bf16",
         "gc": "frozen after set-up" if args.gc_freeze else "default (not frozen)",
     }
     lines = [

@@ -206,6 +206,23 @@ def test_nvfp4_linear_matches_bf16_linear_within_format_bound(init):
     assert relative_error(layer.dequantized_weight(), dense.weight) < LINEAR_RELATIVE_BOUND
 
 
+def test_quantize_linears_replaces_every_linear_but_the_skipped_and_the_unquantizable():
+    from piecewise.kernels.nvfp4 import quantize_linears
+    from piecewise.models import example
+
+    model, args = example(tokens=5, dtype=torch.bfloat16)
+    model.extra = torch.nn.Sequential(torch.nn.Linear(24, 8))  # in_features not a multiple of 16: stays
+    expected = model(*args)
+    linears = {name for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    replaced = quantize_linears(model)
+    assert set(replaced) == {n for n in linears if "lm_head" not in n and n != "extra.0"} and replaced
+    assert type(model.lm_head) is torch.nn.Linear and type(model.extra[0]) is torch.nn.Linear
+    assert all(type(model.get_submodule(n)) is NVFP4Linear for n in replaced)
+    error = relative_error(model(*args), expected)
+    assert 0 < error < 2 * LINEAR_RELATIVE_BOUND  # 4-bit weights through a few layers, not a broken model
+    assert quantize_linears(model) == []  # nothing left to replace
+
+
 def test_from_checkpoint_with_decode_scale_matches_from_linear():
     torch.manual_seed(1)
     dense = torch.nn.Linear(128, 64).to(torch.bfloat16)

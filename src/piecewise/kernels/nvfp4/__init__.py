@@ -7,6 +7,7 @@ Public API:
 - ``global_scale_for(x)``: the encode scale 448·6 / amax(x)
 - ``linear(x, weight, weight_scale, weight_scale_2, bias=None)``: W4A16 ``x @ W.T + bias``
 - ``NVFP4Linear``: an ``nn.Module`` holding an NVFP4 weight (``from_linear``, ``from_checkpoint``)
+- ``quantize_linears(model, skip=("lm_head",))``: every ``nn.Linear`` of a model → ``NVFP4Linear``, in place
 - ``swizzle_scales`` / ``unswizzle_scales``: the 128x4 scale layout of Blackwell GEMMs
 
 Two scales, inverse of each other, are easy to mix up: functions here that say ``global_scale`` take the
@@ -18,7 +19,7 @@ CPU tensors run the pure-PyTorch reference, which the kernels match byte for byt
 
 from .functional import dequantize, global_scale_for, linear, quantize
 from .layout import swizzle_scales, unswizzle_scales
-from .module import NVFP4Linear
+from .module import NVFP4Linear, quantize_linears
 
 __all__ = [
     "NVFP4Linear",
@@ -26,6 +27,7 @@ __all__ = [
     "global_scale_for",
     "linear",
     "quantize",
+    "quantize_linears",
     "swizzle_scales",
     "unswizzle_scales",
 ]

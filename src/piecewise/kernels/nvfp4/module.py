@@ -155,3 +155,19 @@ class NVFP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_linears(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
+    """Replace every ``nn.Linear`` of ``model`` in place by ``NVFP4Linear.from_linear`` of it and return the
+    qualified names replaced. A Linear stays as it is when its name or a parent's name is in ``skip`` (by
+    default the output head, which NVFP4 checkpoints keep in 16 bits) or when its in_features is not a
+    multiple of 16 (one scale per 16 inputs); compare the returned names with the model's to see which."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            qualified = f"{name}.{child_name}" if name else child_name
+            if type(child) is not nn.Linear or set(qualified.split(".")) & set(skip) or child.in_features % BLOCK:
+                continue
+            setattr(module, child_name, NVFP4Linear.from_linear(child))
+            replaced.append(qualified)
+    return replaced
