@@ -10,7 +10,6 @@ CUDA graph of the same model with its bf16 weights for comparison.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import gc
 import json
@@ -147,7 +146,8 @@ def main() -> int:
     if args.nvfp4:
         from piecewise.kernels.nvfp4 import quantize_linears
 
-        bf16_model = copy.deepcopy(model)
+        bf16_model = DecodeLlama(L16).to(device="cuda", dtype=torch.bfloat16).eval()
+        bf16_model.load_state_dict(model.state_dict())
         quantize_linears(model)
     cache = model.make_kv_cache(max(BATCHES))
     cache.normal_()
