@@ -1,4 +1,7 @@
-"""Gluon W4A16 kernel for decode (M ≤ 16 tokens): mma.sync fed straight from 16-byte weight loads.
+"""Host side of the two Gluon W4A16 kernels: decode (1..16 tokens, below) and wgmma (33..255 tokens on Hopper,
+``_gluon_wgmma``, at the end of this module: it reuses this kernel's weight loads and decode).
+
+Decode kernel (M ≤ 16 tokens): mma.sync fed straight from 16-byte weight loads.
 
 The product is computed transposed, ``out.T = W · x.T``, with ``mma.m16n8k16``: the weight is operand A (16
 rows × 16 k per instruction), the tokens operand B (8 columns; 16 tokens take two). No shared memory in the

@@ -13,6 +13,11 @@ gives ``e2m1 · s_b`` exactly (≤ 6 significant bits, in range). The tensor dec
 accumulator once at the end. On sm_90 the M ≤ 16 loop compiles to ~7.9 SASS instructions per weight element,
 about 3 of them the decode and scale; the rest are wgmma issue, address and pipeline bookkeeping.
 
+``w4a16_linear`` picks the kernel by token count (``select_config``, fixed rules): the Gluon decode kernel for
+1..16 tokens and the Gluon wgmma kernel for 33..255 on Hopper (both need K a multiple of 128; ``gluon_gemv``),
+dequantize + cuBLAS for bf16 from 256 tokens on, and this tl kernel for everything else (17..32 tokens, K not a
+multiple of 128, fp16 prefill, GPUs or Tritons without the Gluon kernels).
+
 Launch configuration comes from a fixed table keyed on M (``pick_config``), never from autotuning, so the first
 call inside a CUDA-graph capture launches exactly what eager calls launch. For few output tiles (small M) the K
 loop is split across programs (split-K); each split stores a float32 partial tile and the last split of a tile
