@@ -501,6 +501,37 @@ def test_wgmma_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, warps, s
     assert ptx.count("wgmma.mma_async") > 0 and "ld.global.v4" in ptx
 
 
+def test_kernel_choice_by_token_count_gpu_and_gluon_failures(monkeypatch):
+    """``select_config``'s rules with the device queries stubbed (an sm_90 with 132 SMs, then others)."""
+    pytest.importorskip("triton")
+    from piecewise.kernels.nvfp4 import gluon_gemv, triton_gemm
+    from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, GemvConfig, WgmmaConfig
+
+    if not gluon_gemv.WGMMA_AVAILABLE:
+        pytest.skip("this Triton has no Gluon: the tl kernel runs for every token count")
+    monkeypatch.setattr(triton_gemm, "sm_count", lambda index: 132)
+    monkeypatch.setattr(gluon_gemv, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(triton_gemm, "_gluon_failure", {})
+
+    def pick(rows, dtype=torch.bfloat16, k=4096):
+        return triton_gemm.select_config(rows, 4096, k, dtype, 0)
+
+    assert isinstance(pick(1), GemvConfig) and isinstance(pick(16), GemvConfig)
+    assert isinstance(pick(17), GemmConfig) and isinstance(pick(32), GemmConfig)
+    assert isinstance(pick(33), WgmmaConfig) and isinstance(pick(255), WgmmaConfig)
+    assert isinstance(pick(100, torch.float16), WgmmaConfig)
+    assert pick(256) is None and pick(4096) is None  # bf16 prefill: dequantize + cuBLAS
+    assert isinstance(pick(256, torch.float16), GemmConfig)
+    assert isinstance(pick(1, k=1040), GemmConfig) and isinstance(pick(64, k=1040), GemmConfig)
+    monkeypatch.setattr(gluon_gemv, "_capability_major", lambda index: 10)  # wgmma is Hopper's; mma.sync is not
+    assert isinstance(pick(64), GemmConfig) and isinstance(pick(1), GemvConfig)
+    monkeypatch.setattr(gluon_gemv, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(triton_gemm, "_gluon_failure", {"wgmma": "AttributeError: no attribute 'thread_barrier'"})
+    assert isinstance(pick(64), GemmConfig) and isinstance(pick(1), GemvConfig)  # the decode kernel stays on
+    monkeypatch.setattr(triton_gemm, "_gluon_failure", {"decode": "CompilationError"})
+    assert isinstance(pick(1), GemmConfig) and isinstance(pick(64), WgmmaConfig)
+
+
 def test_wgmma_kernel_config_rules():
     pytest.importorskip("triton")
     from piecewise.kernels.nvfp4.gluon_gemv import WgmmaConfig, pick_wgmma_config

@@ -221,7 +221,7 @@ def test_a_gluon_failure_falls_back_to_the_tl_kernel_with_one_warning(monkeypatc
         raise AttributeError("module 'triton.experimental.gluon.language' has no attribute 'DistributedLinearLayout'")
 
     monkeypatch.setattr(gluon_gemv, kernel, broken)
-    monkeypatch.setattr(triton_gemm, "_gluon_failure", [])
+    monkeypatch.setattr(triton_gemm, "_gluon_failure", {})
     if not isinstance(select_config(rows, 256, 1024, torch.bfloat16, 0), (GemvConfig, WgmmaConfig)):
         pytest.skip("no Gluon kernel for this call on this GPU")
     with caplog.at_level("WARNING", logger="piecewise.kernels.nvfp4.triton_gemm"):
@@ -229,7 +229,9 @@ def test_a_gluon_failure_falls_back_to_the_tl_kernel_with_one_warning(monkeypatc
         second = w4a16_linear(x, packed, scales, decode)
     assert torch.equal(first, expected) and torch.equal(second, expected)
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "Gluon kernel failed" in warnings[0] and "DistributedLinearLayout" in warnings[0]
+    name = "decode" if kernel == "w4a16_gemv" else "wgmma"
+    assert len(warnings) == 1 and f"Gluon {name} kernel failed" in warnings[0] and "DistributedLinearLayout" in warnings[0]
+    assert set(triton_gemm._gluon_failure) == {name}  # the other Gluon kernel stays on
 
 
 def subnormal_scale_weight(out_features: int, in_features: int):

@@ -276,16 +276,17 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return counters[lane * _MAX_SPLIT_TILES:(lane + 1) * _MAX_SPLIT_TILES]
 
 
-_gluon_failure: list[str] = []
-"""Why the Gluon kernels are off in this process (empty while they are on)."""
+_gluon_failure: dict[str, str] = {}
+"""Gluon kernels turned off in this process ("decode", "wgmma") and why."""
+_GLUON_TOKENS = {"decode": "1..16", "wgmma": "33..255"}
 
 
-def _disable_gluon(exc: BaseException) -> None:
-    """Gluon is experimental in Triton and its API moves between releases: one failure turns the kernel off."""
-    _gluon_failure.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+def _disable_gluon(kernel: str, exc: BaseException) -> None:
+    """Gluon is experimental in Triton and its API moves between releases: a failure turns that kernel off."""
+    _gluon_failure[kernel] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     logger.warning(
-        "NVFP4: a Gluon kernel failed on triton %s (%s); 1..16 and 33..255 tokens use the tl kernel from now on",
-        triton.__version__, _gluon_failure[0],
+        "NVFP4: the Gluon %s kernel failed on triton %s (%s); %s tokens use the tl kernel from now on",
+        kernel, triton.__version__, _gluon_failure[kernel], _GLUON_TOKENS[kernel],
     )
 
 
@@ -297,15 +298,14 @@ def select_config(
     if rows >= DENSE_FROM_ROWS and dtype == torch.bfloat16:
         return None
     sms = sm_count(device_index)
-    if not _gluon_failure:
-        if gemv_supported(rows, in_features, device_index):
-            gemv = pick_gemv_config(rows, out_features, in_features, sms)
-            if gemv is not None:
-                return gemv
-        if wgmma_supported(rows, in_features, device_index):
-            wgmma = pick_wgmma_config(rows, out_features, in_features, sms)
-            if wgmma is not None:
-                return wgmma
+    if "decode" not in _gluon_failure and gemv_supported(rows, in_features, device_index):
+        gemv = pick_gemv_config(rows, out_features, in_features, sms)
+        if gemv is not None:
+            return gemv
+    if "wgmma" not in _gluon_failure and wgmma_supported(rows, in_features, device_index):
+        wgmma = pick_wgmma_config(rows, out_features, in_features, sms)
+        if wgmma is not None:
+            return wgmma
     return pick_config(rows, out_features, in_features, sms)
 
 
@@ -345,7 +345,7 @@ def w4a16_linear(
         except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon does not compile this kernel
             if not chosen:
                 raise
-            _disable_gluon(exc)
+            _disable_gluon("decode" if isinstance(config, GemvConfig) else "wgmma", exc)
             config = pick_config(rows, out_features, in_features, sm_count(device_index))
     grid_n, grid_m = triton.cdiv(out_features, config.block_n), triton.cdiv(rows, config.block_m)
     k_steps = triton.cdiv(in_features, config.block_k)
