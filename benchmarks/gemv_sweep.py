@@ -27,7 +27,7 @@ CONFIGS = [(8, 1, 1, 1), (8, 1, 1, 2), (8, 1, 2, 1), (8, 1, 2, 2), (8, 2, 1, 1),
 def check(shapes, dtypes) -> list[dict]:
     from piecewise.kernels.nvfp4 import dequantize, global_scale_for
     from piecewise.kernels.nvfp4.reference import quantize_reference
-    from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_gemv_config, w4a16_linear
+    from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_gemv_config, sm_count, w4a16_linear
 
     rows_out = []
     for (m, n, k), dtype, bias_on in itertools.product(shapes, dtypes, (False, True)):
@@ -38,7 +38,7 @@ def check(shapes, dtypes) -> list[dict]:
         bias = torch.randn(n, device="cuda", dtype=dtype) if bias_on else None
         ref_w = dequantize(packed, scales, gs, dtype=torch.float32)
         expected = x.float() @ ref_w.T + (bias.float() if bias is not None else 0)
-        config = pick_gemv_config(m, n, k, 132)
+        config = pick_gemv_config(m, n, k, sm_count(torch.cuda.current_device()))
         got = w4a16_linear(x, packed, scales, torch.reciprocal(gs).reshape(()), bias, config=config)
         tl_out = w4a16_linear(x, packed, scales, torch.reciprocal(gs).reshape(()), bias, config=GemmConfig(16, 64, 128, 4, 3))
         err = float((got.float() - expected).norm() / expected.norm())
@@ -50,7 +50,9 @@ def check(shapes, dtypes) -> list[dict]:
 
 
 def sweep(do_bench, l2_bytes, tokens) -> list[dict]:
-    from piecewise.kernels.nvfp4.triton_gemm import GemvConfig, pick_config, w4a16_linear
+    from piecewise.kernels.nvfp4.triton_gemm import GemvConfig, pick_config, sm_count, w4a16_linear
+
+    sms = sm_count(torch.cuda.current_device())
 
     results = []
     for size in (4096, 8192):
@@ -62,7 +64,7 @@ def sweep(do_bench, l2_bytes, tokens) -> list[dict]:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
             bf16 = graph_ms([(lambda i=i: torch.matmul(xs[i % 4], dense[i].T)) for i in range(len(dense))], do_bench)
             tl_ms = graph_ms([(lambda i=i: w4a16_linear(xs[i % 4], pc[i], sc[i], decode,
-                                                          config=pick_config(m, n, k, 132))) for i in range(copies)], do_bench)
+                                                          config=pick_config(m, n, k, sms))) for i in range(copies)], do_bench)
             row = {"M": m, "K=N": size, "bf16_ms": bf16, "tl_ms": tl_ms, "gluon": []}
             for wk, rt, steps, prefetch in CONFIGS:
                 config = GemvConfig(warps_k=wk, row_tiles=rt, steps=steps, prefetch=prefetch)

@@ -532,6 +532,61 @@ def test_kernel_choice_by_token_count_gpu_and_gluon_failures(monkeypatch):
     assert isinstance(pick(1), GemmConfig) and isinstance(pick(64), WgmmaConfig)
 
 
+def test_gluon_kernels_get_the_weight_on_a_word_boundary():
+    """The Gluon kernels read the packed weight as 32-bit words: a view starting mid-word is copied first."""
+    pytest.importorskip("triton")
+    from piecewise.kernels.nvfp4 import gluon_gemv
+
+    x = torch.zeros(3, 256, dtype=torch.bfloat16)
+    out = torch.empty(3, 64, dtype=torch.bfloat16)
+    scales, decode = torch.zeros(64, 16, dtype=torch.uint8), torch.ones(())
+    storage = torch.randint(0, 256, (64 * 128 + 16,), dtype=torch.uint8)
+    for offset in (0, 1, 4):
+        weight = storage[offset : offset + 64 * 128].view(64, 128)
+        (_, passed, *_), constexprs = gluon_gemv._shared_arguments(x, weight, scales, decode, None, out)
+        assert passed.data_ptr() % 16 == 0 and torch.equal(passed, weight)
+        assert (passed is weight) == (weight.data_ptr() % 16 == 0)
+    assert constexprs["HAS_BIAS"] is False and constexprs["IS_FP16"] is False
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "wgmma"])
+def test_gluon_launches_bind_every_kernel_parameter(monkeypatch, kernel):
+    """The host wrappers' launch arguments, bound to the kernels' parameter lists (no GPU: the launch is recorded)."""
+    pytest.importorskip("triton")
+    from piecewise.kernels.nvfp4 import gluon_gemv
+
+    if not gluon_gemv.WGMMA_AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    name = "_gemv_kernel" if kernel == "gemv" else "_wgmma_kernel"
+    real = getattr(gluon_gemv, name)
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(gluon_gemv, name, Recorder())
+    rows, n, k = 40, 300, 1024
+    x, out = torch.zeros(rows, k, dtype=torch.float16), torch.empty(rows, n, dtype=torch.float16)
+    weight, scales = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.uint8)
+    bias, decode = torch.zeros(n, dtype=torch.float16), torch.ones(())
+    if kernel == "gemv":
+        gluon_gemv.w4a16_gemv(x[:16], weight, scales, decode, bias, out[:16], gluon_gemv.GemvConfig(4, 2, 2))
+    else:
+        gluon_gemv.w4a16_wgmma(x, weight, scales, decode, bias, out, gluon_gemv.WgmmaConfig(32, 4, 2))
+    (grid, args, kwargs), = launches
+    names = real.arg_names
+    bound = dict(zip(names, args)) | {key: value for key, value in kwargs.items() if key in names}
+    assert set(bound) == set(names) and len(args) == sum(not p.is_constexpr for p in real.params)
+    assert bound["x_ptr"] is x or bound["x_ptr"].data_ptr() == x.data_ptr()
+    assert bound["bias_ptr"] is bias and bound["out_features"] == n and bound["row_bytes"] == k // 2
+    assert bound["row_groups"] == k // 16 and bound["HAS_BIAS"] and bound["IS_FP16"]
+    if kernel == "gemv":
+        assert grid == (n // 32 + 1,) and bound["warp_bytes"] == k // 4 // 2 and bound["iterations"] == 1
+    else:
+        assert grid == (n // 64 + 1, 2) and bound["iterations"] == k // 256 and bound["BLOCK_M"] == 32
+
+
 def test_wgmma_kernel_config_rules():
     pytest.importorskip("triton")
     from piecewise.kernels.nvfp4.gluon_gemv import WgmmaConfig, pick_wgmma_config

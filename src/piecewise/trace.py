@@ -28,8 +28,9 @@ class DirectCall:
     """The compiled forward without Dynamo's per-call frame machinery.
 
     Dynamo's hook around a compiled frame costs far more than its guard check (on the 16-layer decode model,
-    on a CPU: ~350 µs per call against ~12 µs), which matters when the rest of a step is CUDA-graph replays. This runs the same guard check, then the same transformed bytecode (which gathers
-    the graph inputs, calls the backend's runner, rebuilds the output and replays side effects).
+    on a CPU: ~350 µs per call against ~12 µs), which matters when the rest of a step is CUDA-graph replays.
+    This runs the same guard check, then the same transformed bytecode (which gathers the graph inputs, calls
+    the backend's runner, rebuilds the output and replays side effects).
     """
 
     def __init__(self, method: types.MethodType, code: types.CodeType, check):

@@ -121,23 +121,33 @@ def gemv_supported(rows: int, in_features: int, device_index: int) -> bool:
     return AVAILABLE and 0 < rows <= MAX_ROWS and in_features % STEP == 0 and _capability_major(device_index) >= 8
 
 
+def _shared_arguments(x, weight, scales, decode_scale, bias, out) -> tuple[tuple, dict]:
+    """The leading arguments and the constexprs both Gluon kernels take. They read the weight as 32-bit words:
+    a weight view that does not start on a 16-byte boundary is copied first."""
+    rows, in_features = x.shape
+    if weight.data_ptr() % 16:
+        weight = weight.clone()
+    is_fp16 = x.dtype == torch.float16
+    arguments = (x, weight, scales, decode_scale, bias if bias is not None else decode_scale, out,
+                 rows, weight.shape[0], in_features // 2, in_features // 16, x.stride(0), out.stride(0))
+    constexprs = {"HAS_BIAS": bias is not None, "IS_FP16": is_fp16, "DECODE": DECODE_SHIFT_ASM["f16" if is_fp16 else "bf16"]}
+    return arguments, constexprs
+
+
 def w4a16_gemv(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, decode_scale: torch.Tensor,
     bias: torch.Tensor | None, out: torch.Tensor, config: GemvConfig,
 ) -> torch.Tensor:
     """``out = x @ W.T (+ bias)`` for checked, contiguous operands (``scales`` as uint8); returns ``out``."""
     rows, in_features = x.shape
-    out_features = weight.shape[0]
     warp_codes = in_features // config.warps_k
     iterations = warp_codes // (STEP * config.steps)
     if warp_codes % (STEP * config.steps):
         raise ValueError(f"K={in_features} does not split into {config.warps_k} warps × {config.steps} steps of {STEP}")
-    is_fp16 = x.dtype == torch.float16
-    grid = (triton.cdiv(out_features, 16 * config.row_tiles),)
+    arguments, constexprs = _shared_arguments(x, weight, scales, decode_scale, bias, out)
+    grid = (triton.cdiv(weight.shape[0], 16 * config.row_tiles),)
     _gemv_kernel[grid](
-        x, weight, scales, decode_scale, bias if bias is not None else decode_scale, out,
-        rows, out_features, in_features // 2, in_features // 16, x.stride(0), out.stride(0), warp_codes // 2, warp_codes // 16,
-        iterations, HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_SHIFT_ASM["f16" if is_fp16 else "bf16"],
+        *arguments, warp_codes // 2, warp_codes // 16, iterations, **constexprs,
         BLOCK_M=8 if rows <= 8 else 16, WARPS_K=config.warps_k, ROW_TILES=config.row_tiles, STEPS=config.steps,
         PREFETCH=config.prefetch, num_warps=config.warps_k,
     )
@@ -195,17 +205,13 @@ def w4a16_wgmma(
 ) -> torch.Tensor:
     """``out = x @ W.T (+ bias)`` for checked, contiguous operands (``scales`` as uint8); returns ``out``."""
     rows, in_features = x.shape
-    out_features = weight.shape[0]
     if in_features % (STEP * config.steps):
         raise ValueError(f"K={in_features} is not a multiple of {config.steps} steps of {STEP}")
-    is_fp16 = x.dtype == torch.float16
+    arguments, constexprs = _shared_arguments(x, weight, scales, decode_scale, bias, out)
     block_m = min(config.block_m, max(16, triton.next_power_of_2(rows)))
-    grid = (triton.cdiv(out_features, 16 * config.warps), triton.cdiv(rows, block_m))
+    grid = (triton.cdiv(weight.shape[0], 16 * config.warps), triton.cdiv(rows, block_m))
     _wgmma_kernel[grid](
-        x, weight, scales, decode_scale, bias if bias is not None else decode_scale, out,
-        rows, out_features, in_features // 2, in_features // 16, x.stride(0), out.stride(0),
-        in_features // (STEP * config.steps),
-        HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_SHIFT_ASM["f16" if is_fp16 else "bf16"],
+        *arguments, in_features // (STEP * config.steps), **constexprs,
         BLOCK_M=block_m, WARPS=config.warps, STEPS=config.steps, num_warps=config.warps,
     )
     return out

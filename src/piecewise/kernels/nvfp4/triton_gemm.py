@@ -298,14 +298,11 @@ def select_config(
     if rows >= DENSE_FROM_ROWS and dtype == torch.bfloat16:
         return None
     sms = sm_count(device_index)
+    # The *_supported checks cover token count and K, so the picks below are never None.
     if "decode" not in _gluon_failure and gemv_supported(rows, in_features, device_index):
-        gemv = pick_gemv_config(rows, out_features, in_features, sms)
-        if gemv is not None:
-            return gemv
+        return pick_gemv_config(rows, out_features, in_features, sms)
     if "wgmma" not in _gluon_failure and wgmma_supported(rows, in_features, device_index):
-        wgmma = pick_wgmma_config(rows, out_features, in_features, sms)
-        if wgmma is not None:
-            return wgmma
+        return pick_wgmma_config(rows, out_features, in_features, sms)
     return pick_config(rows, out_features, in_features, sms)
 
 
