@@ -89,14 +89,14 @@ def bench_quantize(do_bench, bandwidth: float, quick: bool) -> list[dict]:
     return results
 
 
-def rotated_weights(size: int, l2_bytes: int) -> dict:
-    """A random size×size weight, NVFP4-quantized by the reference (torch ops on the GPU: no dependence on the
+def rotated_weights(size: int, l2_bytes: int, k: int | None = None) -> dict:
+    """A random size×k weight (k defaults to size), NVFP4-quantized by the reference (torch ops on the GPU: no dependence on the
     kernels), with enough copies of it (and of its bf16 original) that rotating through them misses L2, and its
     dequantized float32 values for checks."""
     from piecewise.kernels.nvfp4 import global_scale_for
     from piecewise.kernels.nvfp4.reference import quantize_reference
 
-    weight = torch.randn(size, size, device="cuda", dtype=torch.bfloat16) * 0.02
+    weight = torch.randn(size, k or size, device="cuda", dtype=torch.bfloat16) * 0.02
     gs = global_scale_for(weight)
     packed, scales = quantize_reference(weight, gs)
     copies = copies_for(packed.numel() + scales.numel(), l2_bytes, 8)

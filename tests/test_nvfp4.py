@@ -434,13 +434,17 @@ def test_decode_kernel_config_rules():
         for n in (512, 4096, 8192):
             for k in (128, 384, 1536, 4096, 5120, 14336):
                 config = pick_gemv_config(rows, n, k, sms=132)
-                assert (k // 128) % (config.warps_k * config.steps) == 0, (rows, n, k, config)
-    assert pick_gemv_config(1, 384, 384, sms=132).warps_k == 1
+                groups = (k // 128) // config.steps
+                assert (k // 128) % config.steps == 0 and config.warps_k <= groups, (rows, n, k, config)
+    assert pick_gemv_config(1, 384, 384, sms=132) == GemvConfig(warps_k=2, row_tiles=1, steps=1)  # 3 steps
     assert pick_gemv_config(1, 4096, 4096, sms=132) == GemvConfig(warps_k=8, row_tiles=1, steps=2)
     assert pick_gemv_config(1, 8192, 8192, sms=132) == GemvConfig(warps_k=4, row_tiles=1, steps=4)
-    assert pick_gemv_config(9, 4096, 4096, sms=132).row_tiles == 2  # the activation fragment serves 32 rows
+    assert pick_gemv_config(9, 8192, 8192, sms=132).row_tiles == 2  # the activation fragment serves 32 rows
     assert pick_gemv_config(8, 4096, 4096, sms=132) == GemvConfig(warps_k=4, row_tiles=1, steps=2, prefetch=2)
-    assert pick_gemv_config(5, 8192, 8192, sms=132) == GemvConfig(warps_k=8, row_tiles=2, steps=1)
+    assert pick_gemv_config(5, 8192, 8192, sms=132) == GemvConfig(warps_k=4, row_tiles=2, steps=1)
+    # K = 44 and 11 steps of 128: the warps stay (an uneven split), the steps halve until they divide K.
+    assert pick_gemv_config(1, 2048, 5632, sms=132) == GemvConfig(warps_k=8, row_tiles=1, steps=2)
+    assert pick_gemv_config(1, 4096, 1408, sms=132) == GemvConfig(warps_k=8, row_tiles=1, steps=1)
     for bad in ({"warps_k": 3}, {"warps_k": 8, "row_tiles": 0}, {"warps_k": 8, "prefetch": 3}):
         with pytest.raises(ValueError, match="powers of two"):
             GemvConfig(**bad)
@@ -479,12 +483,14 @@ def compile_for_hopper(kernel_name: str, int_args: list[str], dtype: str, consta
     return kernel.asm["ptx"]
 
 
-@pytest.mark.parametrize("dtype,block_m,row_tiles,prefetch", [("bf16", 8, 1, 1), ("fp16", 16, 2, 2)])
-def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_tiles, prefetch):
+@pytest.mark.parametrize("dtype,block_m,row_tiles,prefetch,even",
+                         [("bf16", 8, 1, 1, True), ("fp16", 16, 2, 2, True), ("bf16", 8, 1, 2, False)])
+def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_tiles, prefetch, even):
     """The Gluon decode kernel builds for sm_90 with this Triton (its mma-operand layout checks run at compile time)."""
     ptx = compile_for_hopper(
-        "_gemv_kernel", ["warp_bytes", "warp_groups", "iterations"], dtype,
-        {"BLOCK_M": block_m, "WARPS_K": 4, "ROW_TILES": row_tiles, "STEPS": 2, "PREFETCH": prefetch}, num_warps=4)
+        "_gemv_kernel", ["iterations", "total_iterations"], dtype,
+        {"BLOCK_M": block_m, "WARPS_K": 4, "ROW_TILES": row_tiles, "STEPS": 2, "PREFETCH": prefetch, "EVEN": even},
+        num_warps=4)
     assert ptx.count("mma.sync.aligned.m16n8k16") > 0 and "ld.global.v4" in ptx
 
 
@@ -582,7 +588,16 @@ def test_gluon_launches_bind_every_kernel_parameter(monkeypatch, kernel):
     assert bound["bias_ptr"] is bias and bound["out_features"] == n and bound["row_bytes"] == k // 2
     assert bound["row_groups"] == k // 16 and bound["HAS_BIAS"] and bound["IS_FP16"]
     if kernel == "gemv":
-        assert grid == (n // 32 + 1,) and bound["warp_bytes"] == k // 4 // 2 and bound["iterations"] == 1
+        assert grid == (n // 32 + 1,) and bound["iterations"] == 1 and bound["total_iterations"] == 4
+        assert bound["EVEN"]
+        launches.clear()  # K = 11 steps of 128 over 4 warps: 3 iterations each, the last warp's third is empty
+        k = 11 * 128
+        x, weight, scales = torch.zeros(1, k, dtype=torch.float16), weight[:, : k // 2], scales[:, : k // 16]
+        gluon_gemv.w4a16_gemv(x, weight.contiguous(), scales.contiguous(), decode, None, out[:1],
+                              gluon_gemv.GemvConfig(4, 1, 1))
+        (_, args, kwargs), = launches
+        bound = dict(zip(names, args)) | kwargs
+        assert bound["iterations"] == 3 and bound["total_iterations"] == 11 and not bound["EVEN"]
     else:
         assert grid == (n // 64 + 1, 2) and bound["iterations"] == k // 256 and bound["BLOCK_M"] == 32
 

@@ -154,6 +154,10 @@ def assert_matches_dense_and_tl(rows, packed, scales, decode, dtype, config, tl_
         (240, 1024, GemvConfig(warps_k=2, row_tiles=1, steps=4)),
         (1000, 1024, GemvConfig(warps_k=8, row_tiles=2, steps=1)),  # N not a multiple of the row tile
         (4352, 2048, None),  # a wide layer: 4 warps on K, 4 steps (≤ 8 tokens) or 2 in flight (9..16)
+        (2048, 5632, GemvConfig(warps_k=8, steps=1, prefetch=2)),  # 44 steps on 8 warps: the last takes 2 of 6
+        (300, 1408, GemvConfig(warps_k=16, row_tiles=2)),  # 11 steps on 16 warps: 5 warps have none
+        (2048, 5632, None),
+        (1536, 1408, None),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -167,7 +171,7 @@ def test_gluon_decode_kernel_matches_dequantize_then_matmul(rows, out_features, 
 def test_decode_kernel_is_picked_only_where_it_applies():
     sms = sm_count(torch.cuda.current_device())
     assert pick_gemv_config(1, 4096, 4096, sms) is not None
-    assert pick_gemv_config(16, 4096, 4096, sms).row_tiles == 2
+    assert pick_gemv_config(16, 8192, 8192, sms).row_tiles == 2
     assert pick_gemv_config(1, 8192, 8192, sms).warps_k * pick_gemv_config(1, 8192, 8192, sms).steps == 16
     assert pick_gemv_config(1, 1000, 1040, sms) is None  # K not a multiple of 128: the tl kernel runs
 

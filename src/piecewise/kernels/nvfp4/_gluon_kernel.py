@@ -107,16 +107,20 @@ def _block_scales(scale_byte, IS_FP16: gl.constexpr):
 
 
 @gluon.jit
-def _load_weights(weight_ptrs, scale_ptrs, step, STEPS: gl.constexpr):
-    return gl.load(weight_ptrs + step * (16 * STEPS)), gl.load(scale_ptrs + step * (8 * STEPS))
+def _load_weights(weight_ptrs, scale_ptrs, first_w, last_w, first_s, last_s, it, STEPS: gl.constexpr):
+    """The words and scale bytes of each warp's iteration ``it``, clamped to the warp's last one (prefetches past
+    the end, and a warp's empty tail when the steps do not split evenly, re-read it)."""
+    word_step = gl.minimum(first_w + it, last_w)[:, None, None]
+    scale_step = gl.minimum(first_s + it, last_s)[:, None, None]
+    return gl.load(weight_ptrs + word_step * (16 * STEPS)), gl.load(scale_ptrs + scale_step * (8 * STEPS))
 
 
 @gluon.jit
 def _gemv_kernel(
     x_ptr, weight_ptr, scales_ptr, decode_scale_ptr, bias_ptr, out_ptr,
-    rows, out_features, row_bytes, row_groups, stride_x_row, stride_out_row, warp_bytes, warp_groups, iterations,
+    rows, out_features, row_bytes, row_groups, stride_x_row, stride_out_row, iterations, total_iterations,
     HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
-    WARPS_K: gl.constexpr, ROW_TILES: gl.constexpr, STEPS: gl.constexpr, PREFETCH: gl.constexpr,
+    WARPS_K: gl.constexpr, ROW_TILES: gl.constexpr, STEPS: gl.constexpr, PREFETCH: gl.constexpr, EVEN: gl.constexpr,
 ):
     R: gl.constexpr = 16 * ROW_TILES
     P_LAYOUT: gl.constexpr = _word_layout(WARPS_K, ROW_TILES, STEPS)
@@ -134,35 +138,45 @@ def _gemv_kernel(
     pc = gl.arange(0, 16 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, P_LAYOUT)))
     prow = gl.minimum(row0 + pr, out_features - 1)
     weight_ptrs = (weight_ptr.to(gl.pointer_type(gl.int32)) + prow[None, :, None] * (row_bytes // 4)
-                   + pw[:, None, None] * (warp_bytes // 4) + pc[None, None, :])
+                   + pc[None, None, :])
     sw = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, S_LAYOUT)))
     sr = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, S_LAYOUT)))
     sc = gl.arange(0, 8 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, S_LAYOUT)))
     srow = gl.minimum(row0 + sr, out_features - 1)
-    scale_ptrs = (scales_ptr + srow[None, :, None] * row_groups + sw[:, None, None] * warp_groups
-                  + sc[None, None, :])
+    scale_ptrs = scales_ptr + srow[None, :, None] * row_groups + sc[None, None, :]
     xw = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_LAYOUT)))
     xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_LAYOUT)))
     xk = gl.arange(0, 128 * STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_LAYOUT)))
-    x_ptrs = x_ptr + xm[None, :, None] * stride_x_row + xw[:, None, None] * (2 * warp_bytes) + xk[None, None, :]
+    x_ptrs = x_ptr + xm[None, :, None] * stride_x_row + xk[None, None, :]
     x_mask = (xm < rows)[None, :, None] & (xk < 128 * STEPS)[None, None, :]  # second term: broadcast only
+    # Warp w takes iterations w·iterations .. (w + 1)·iterations - 1 of the total_iterations of K. When they do
+    # not split evenly (not EVEN), the last warps' surplus iterations re-read their last weight words and load
+    # zero activations, so they add nothing.
+    first_w = pw * iterations
+    last_w = gl.minimum(first_w + iterations, total_iterations) - 1
+    first_s = sw * iterations
+    last_s = gl.minimum(first_s + iterations, total_iterations) - 1
+    first_x = xw * iterations
 
     acc = gl.zeros([WARPS_K, R, BLOCK_M], gl.float32, layout=MMA)
     # The weight words of iteration i + 1 (and i + 2 with PREFETCH = 2) are loaded before the math of
     # iteration i and carried through the loop as 32-bit words, so they are in flight during it. The last
     # iterations re-load the final step instead of reading past the warp's share of K.
-    last = iterations - 1
-    w_next = _load_weights(weight_ptrs, scale_ptrs, 0, STEPS)
+    w_next = _load_weights(weight_ptrs, scale_ptrs, first_w, last_w, first_s, last_s, 0, STEPS)
     if PREFETCH > 1:
-        w_after = _load_weights(weight_ptrs, scale_ptrs, gl.minimum(1, last), STEPS)
+        w_after = _load_weights(weight_ptrs, scale_ptrs, first_w, last_w, first_s, last_s, 1, STEPS)
     for it in range(iterations):
         current = w_next
         if PREFETCH > 1:
             w_next = w_after
-            w_after = _load_weights(weight_ptrs, scale_ptrs, gl.minimum(it + 2, last), STEPS)
+            w_after = _load_weights(weight_ptrs, scale_ptrs, first_w, last_w, first_s, last_s, it + 2, STEPS)
         else:
-            w_next = _load_weights(weight_ptrs, scale_ptrs, gl.minimum(it + 1, last), STEPS)
-        xv = gl.load(x_ptrs + it * (128 * STEPS), mask=x_mask, other=0.0)
+            w_next = _load_weights(weight_ptrs, scale_ptrs, first_w, last_w, first_s, last_s, it + 1, STEPS)
+        x_step = (first_x + it)[:, None, None]
+        if EVEN:
+            xv = gl.load(x_ptrs + x_step * (128 * STEPS), mask=x_mask, other=0.0)
+        else:
+            xv = gl.load(x_ptrs + x_step * (128 * STEPS), mask=x_mask & (x_step < total_iterations), other=0.0)
         a, b = _operands(current[0], _block_scales(current[1], IS_FP16), xv, DECODE, IS_FP16, A_LAYOUT, B_LAYOUT)
         acc = mma_v2(a, b, acc)
 

@@ -25,7 +25,9 @@ scale folded with the format's power of two (two for fp16, whose range needs the
 weight side's reshuffle up to the mma operand layout is checked at compile time to be a register renaming
 (``convert_layout(..., assert_trivial=True)``).
 
-The warps of a program split K (``WARPS_K``) and their partial tiles are summed at the end. The loop carries
+The warps of a program split K (``WARPS_K``) and their partial tiles are summed at the end; when K's steps do
+not split evenly (K = 5632 is 44 steps of 128), each warp takes the same number of iterations and the surplus
+ones of the last warps load zero activations. The loop carries
 the next iteration's words, so their load is in flight during the math (loaded bytes carried through a loop
 would be repacked byte by byte; straight-line prefetches are moved next to their use by the compilers).
 
@@ -86,27 +88,29 @@ class GemvConfig:
 
 # (most tokens, (warps_k, row_tiles, steps, prefetch)) for wide layers (at least two 16-row programs per SM) and
 # for narrower ones; the first row whose bound is ≥ the token count is used.
-_WIDE = ((2, (4, 1, 4, 1)), (4, (4, 1, 2, 2)), (8, (8, 2, 1, 1)), (16, (4, 2, 1, 2)))
-_NARROW = ((2, (8, 1, 2, 1)), (8, (4, 1, 2, 2)), (16, (8, 2, 2, 1)))
+_WIDE = ((4, (4, 1, 4, 1)), (8, (4, 2, 1, 1)), (16, (4, 2, 1, 2)))
+_NARROW = ((4, (8, 1, 2, 1)), (16, (4, 1, 2, 2)))
 
 
 @functools.cache
 def pick_gemv_config(rows: int, out_features: int, in_features: int, sms: int) -> GemvConfig | None:
     """A configuration for x [rows, K] × W [N, K], or None when K is not a multiple of 128 (the tl kernel runs).
 
-    From sweeps on an H200 (``benchmarks/gemv_sweep.py``, K = N = 4096 and 8192, 1..16 tokens): fewer steps in
-    flight and, from 5 tokens on wide layers and 9 on narrower ones, two 16-row tiles per warp (each activation
-    fragment then serves 32 rows) as the token count grows. Steps, then warps, are halved until they divide
-    K's 128-code steps.
+    From sweeps on an H200 (``benchmarks/gemv_sweep.py``: 1, 4, 8 and 16 tokens on eleven layer shapes of
+    Llama-style and MoE models, N from 2048 to 28672, K from 1408 to 14336; the table minimises the mean
+    slowdown against each shape's best configuration): 8 warps on K for narrow layers up to 4 tokens, 4 warps
+    otherwise, and from 5 tokens on wide layers two 16-row tiles per warp (each activation fragment then serves
+    32 rows). Steps are halved until they divide K's 128-code steps; the warps need not divide them (the last
+    warps get fewer iterations), but are halved while there are more warps than iterations.
     """
     if in_features % STEP:
         return None
     steps_total = in_features // STEP
     table = _WIDE if out_features >= 32 * sms else _NARROW
     warps, row_tiles, steps, prefetch = next(config for bound, config in table if rows <= bound)
-    while steps > 1 and steps_total % (warps * steps):
+    while steps > 1 and steps_total % steps:
         steps //= 2
-    while warps > 1 and steps_total % (warps * steps):
+    while warps > 1 and warps > steps_total // steps:
         warps //= 2
     return GemvConfig(warps_k=warps, row_tiles=row_tiles, steps=steps, prefetch=prefetch)
 
@@ -140,16 +144,16 @@ def w4a16_gemv(
 ) -> torch.Tensor:
     """``out = x @ W.T (+ bias)`` for checked, contiguous operands (``scales`` as uint8); returns ``out``."""
     rows, in_features = x.shape
-    warp_codes = in_features // config.warps_k
-    iterations = warp_codes // (STEP * config.steps)
-    if warp_codes % (STEP * config.steps):
-        raise ValueError(f"K={in_features} does not split into {config.warps_k} warps × {config.steps} steps of {STEP}")
+    total = in_features // (STEP * config.steps)
+    if in_features % (STEP * config.steps):
+        raise ValueError(f"K={in_features} is not a multiple of {config.steps} steps of {STEP}")
+    iterations = triton.cdiv(total, config.warps_k)
     arguments, constexprs = _shared_arguments(x, weight, scales, decode_scale, bias, out)
     grid = (triton.cdiv(weight.shape[0], 16 * config.row_tiles),)
     _gemv_kernel[grid](
-        *arguments, warp_codes // 2, warp_codes // 16, iterations, **constexprs,
+        *arguments, iterations, total, **constexprs,
         BLOCK_M=8 if rows <= 8 else 16, WARPS_K=config.warps_k, ROW_TILES=config.row_tiles, STEPS=config.steps,
-        PREFETCH=config.prefetch, num_warps=config.warps_k,
+        PREFETCH=config.prefetch, EVEN=total % config.warps_k == 0, num_warps=config.warps_k,
     )
     return out
 
