@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -120,3 +120,35 @@ def example(tokens: int = 7, device: str = "cpu", dtype: torch.dtype = torch.flo
     input_ids = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
     positions = torch.arange(tokens, device=device)
     return model, (input_ids, positions, model.make_kv_cache())
+
+
+def tensor_parallel_llama(model: TinyLlama, group=None, *, capture_all_reduce: bool = False) -> list[str]:
+    """Shard a ``TinyLlama`` / ``DecodeLlama`` over ``group`` (``piecewise.parallel.tensor_parallel``): QKV and
+    gate+up column-parallel by heads and by MLP columns, the output and down projections row-parallel with an
+    all-reduce; each rank's config then has its share of the heads and of the MLP (so its KV cache too).
+    Returns the qualified names sharded."""
+    import torch.distributed as dist
+
+    from ..parallel import Column, tensor_parallel
+
+    c = model.config
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+        if getattr(c, field) % world:
+            raise ValueError(
+                f"tensor_parallel_llama: config.{field}={getattr(c, field)} does not split over {world} ranks "
+                f"(KV heads are not replicated): use a world size that divides it"
+            )
+    plan = {
+        "layers.*.qkv": Column(sections=(c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)),
+        "layers.*.o_proj": "row",
+        "layers.*.gate_up": Column(sections=(c.intermediate_size, c.intermediate_size)),
+        "layers.*.down": "row",
+    }
+    sharded = tensor_parallel(model, plan, group, capture_all_reduce=capture_all_reduce)
+    local = replace(c, num_heads=c.num_heads // world, num_kv_heads=c.num_kv_heads // world,
+                    intermediate_size=c.intermediate_size // world)
+    model.config = local
+    for layer in model.layers:
+        layer.config = local
+    return sharded

@@ -1,0 +1,202 @@
+"""Tensor parallelism as a transform applied to a model: shard its linear layers across the ranks of a process
+group and sum the row-parallel outputs with an all-reduce that is a splitting op.
+
+    import torch.distributed as dist
+    from piecewise.parallel import Column, tensor_parallel
+
+    dist.init_process_group("nccl")                     # one process per GPU
+    tensor_parallel(model, {"layers.*.qkv": Column(sections=(q, k, v)), "layers.*.o_proj": "row",
+                            "layers.*.gate_up": Column(sections=(i, i)), "layers.*.down": "row"})
+    runner = piecewise.compile(model, ...)              # the all-reduces run eagerly between pieces
+                                                        # (capture_all_reduce=True: inside the graphs)
+
+A column-parallel layer keeps ``out_features / world`` output rows (of each section, for fused projections such
+as QKV or gate+up), a row-parallel one ``in_features / world`` input columns, followed by an all-reduce (its
+bias is added once, after the sum). ``nn.Linear`` and ``NVFP4Linear`` both shard: an NVFP4 weight is cut along
+its packed rows and 16-input scale blocks, so each rank computes with exactly the bytes of the full layer.
+
+The model's own code must then work with fewer heads or a narrower MLP per rank (a config edit, as
+``piecewise.models.llama.tensor_parallel_llama`` does for the bundled models). Embeddings and the output head
+stay whole on every rank.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .kernels.nvfp4.module import NVFP4Linear
+from .kernels.nvfp4.reference import BLOCK
+from .opaque import opaque_op
+
+_groups: dict[str, dist.ProcessGroup] = {}
+
+
+def _group_name(group: dist.ProcessGroup) -> str:
+    """A name the all-reduce op takes as its argument (op arguments cannot be process groups)."""
+    name = f"{getattr(group, 'group_name', '') or 'group'}_{id(group)}"
+    _groups[name] = group
+    return name
+
+
+def _summed(x: torch.Tensor, group: str) -> torch.Tensor:
+    out = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+    dist.all_reduce(out, group=_groups[group])
+    return out
+
+
+@opaque_op("piecewise_ops::all_reduce", split=True)
+def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum of ``x`` over the ranks of the process group registered as ``group`` (out of place). A splitting op:
+    piecewise runs it eagerly between captured pieces, on the real (unpadded) rows, the same on every rank."""
+    return _summed(x, group)
+
+
+@opaque_op("piecewise_ops::all_reduce_in_graph")
+def all_reduce_in_graph(x: torch.Tensor, group: str) -> torch.Tensor:
+    """``all_reduce`` that is not a splitting op: the collective is captured inside the pieces' CUDA graphs (NCCL
+    supports graph capture), over the padded rows. Fewer pieces and no host work per all-reduce."""
+    return _summed(x, group)
+
+
+@dataclass(frozen=True)
+class Column:
+    """Shard a layer's outputs. ``sections``: sizes of the fused outputs (e.g. q, k, v), each split across the
+    ranks; None is one section, the whole layer."""
+
+    sections: tuple[int, ...] | None = None
+
+
+class RowParallel(nn.Module):
+    """A layer holding ``in_features / world`` of the inputs: its partial output is summed over the group, then
+    the bias is added."""
+
+    def __init__(self, layer: nn.Module, bias: torch.Tensor | None, group: str, in_graph: bool = False):
+        super().__init__()
+        self.layer = layer
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.group = group
+        self.in_graph = in_graph
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reduce = all_reduce_in_graph if self.in_graph else all_reduce
+        out = reduce(self.layer(x), self.group)
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return f"group={self.group!r}, in_graph={self.in_graph}"
+
+
+def _pieces(size: int, world: int, what: str) -> int:
+    if size % world:
+        raise ValueError(f"{what} is {size}, which {world} ranks cannot share evenly: pick a world size that divides it")
+    return size // world
+
+
+def _column_rows(out_features: int, sections: tuple[int, ...] | None, rank: int, world: int, name: str) -> torch.Tensor:
+    sections = sections or (out_features,)
+    if sum(sections) != out_features:
+        raise ValueError(f"{name}: Column sections {sections} add up to {sum(sections)}, not out_features={out_features}")
+    rows, start = [], 0
+    for index, size in enumerate(sections):
+        share = _pieces(size, world, f"{name}: section {index} of out_features")
+        rows.append(torch.arange(start + rank * share, start + (rank + 1) * share))
+        start += size
+    return torch.cat(rows)
+
+
+def shard_layer(
+    layer: nn.Module, style: Column | str, rank: int, world: int, group: str, name: str = "layer", in_graph: bool = False
+) -> nn.Module:
+    """The ``rank``-th of ``world`` shards of an ``nn.Linear`` or ``NVFP4Linear`` (``style`` a ``Column`` or "row";
+    ``in_graph``: a row shard's all-reduce is captured in the graphs instead of splitting them)."""
+    if isinstance(style, str) and style == "column":
+        style = Column()
+    if not isinstance(style, Column) and style != "row":
+        raise ValueError(f"{name}: a shard style is Column(...), 'column' or 'row', got {style!r}")
+    if type(layer) not in (nn.Linear, NVFP4Linear):
+        raise ValueError(f"{name} is a {type(layer).__name__}; tensor_parallel shards nn.Linear and NVFP4Linear layers")
+    nvfp4 = isinstance(layer, NVFP4Linear)
+    if isinstance(style, Column):
+        rows = _column_rows(layer.out_features, style.sections, rank, world, name).to(layer.weight.device)
+        if nvfp4:
+            scales = layer.weight_scale.view(torch.uint8)[rows].view(torch.float8_e4m3fn)  # (no float8 indexing)
+            return NVFP4Linear.from_checkpoint(
+                layer.weight[rows], scales, layer.weight_scale_2, layer.input_scale,
+                layer.bias[rows] if layer.bias is not None else None, dtype=_dtype(layer), check_scale=False)
+        shard = nn.Linear(layer.in_features, len(rows), bias=layer.bias is not None,
+                          device=layer.weight.device, dtype=layer.weight.dtype)
+        with torch.no_grad():
+            shard.weight.copy_(layer.weight[rows])
+            if layer.bias is not None:
+                shard.bias.copy_(layer.bias[rows])
+        return shard.requires_grad_(layer.weight.requires_grad)
+    share = _pieces(layer.in_features, world, f"{name}: in_features")
+    start = rank * share
+    bias = layer.bias.detach().clone() if layer.bias is not None else None
+    if nvfp4:
+        if share % BLOCK:
+            raise ValueError(
+                f"{name}: each of {world} ranks would hold {share} inputs of an NVFP4 layer, which is not a whole "
+                f"number of {BLOCK}-input scale blocks: pick a world size that gives multiples of {BLOCK}"
+            )
+        shard = NVFP4Linear.from_checkpoint(
+            layer.weight[:, start // 2 : (start + share) // 2], layer.weight_scale[:, start // BLOCK : (start + share) // BLOCK],
+            layer.weight_scale_2, layer.input_scale, None, dtype=_dtype(layer), check_scale=False)
+    else:
+        shard = nn.Linear(share, layer.out_features, bias=False, device=layer.weight.device, dtype=layer.weight.dtype)
+        with torch.no_grad():
+            shard.weight.copy_(layer.weight[:, start : start + share])
+        shard.requires_grad_(layer.weight.requires_grad)
+    return RowParallel(shard, bias, group, in_graph)
+
+
+def _dtype(layer: NVFP4Linear) -> torch.dtype:
+    return layer.bias.dtype if layer.bias is not None else torch.bfloat16
+
+
+def tensor_parallel(
+    model: nn.Module, plan: dict[str, Column | str], group: dist.ProcessGroup | None = None, *,
+    capture_all_reduce: bool = False,
+) -> list[str]:
+    """Shard ``model``'s layers in place for this process's rank of ``group`` (default: the whole world) and
+    return the qualified names sharded. ``plan`` maps ``fnmatch`` patterns of module names to ``Column(...)``,
+    ``"column"`` or ``"row"``; every pattern must match at least one layer. Call it on every rank, with the
+    same weights on every rank (same seed or same checkpoint).
+
+    ``capture_all_reduce=False`` (default): the all-reduces are splitting ops and run eagerly between pieces,
+    which works with any backend. True: they are captured inside the CUDA graphs (NCCL), which saves a piece
+    and the host work per all-reduce."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("tensor_parallel needs torch.distributed initialised first: call dist.init_process_group(...)")
+    group = group or dist.group.WORLD
+    return shard_modules(model, plan, dist.get_rank(group), dist.get_world_size(group), _group_name(group),
+                         in_graph=capture_all_reduce)
+
+
+def shard_modules(
+    model: nn.Module, plan: dict[str, Column | str], rank: int, world: int, group: str, *, in_graph: bool = False
+) -> list[str]:
+    """``tensor_parallel`` for an explicit rank, world size and registered group name (no collective runs)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    matched = {pattern: [] for pattern in plan}
+    for name, module in model.named_modules():
+        for pattern in plan:
+            if name and fnmatch.fnmatchcase(name, pattern):
+                matched[pattern].append(name)
+    unused = [pattern for pattern, names in matched.items() if not names]
+    if unused:
+        raise ValueError(f"tensor-parallel plan entries {unused} match no module of {type(model).__name__}: check the names")
+    sharded = []
+    for pattern, names in matched.items():
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, shard_layer(getattr(parent, child), plan[pattern], rank, world, group, name, in_graph))
+            sharded.append(name)
+    return sharded

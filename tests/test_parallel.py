@@ -1,0 +1,123 @@
+"""Tensor parallelism on CPU: two gloo ranks, sharded layers, the all-reduce as a splitting op."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import piecewise
+from piecewise.kernels.nvfp4 import NVFP4Linear, quantize_linears
+from piecewise.models import example
+from piecewise.models.llama import tensor_parallel_llama
+from piecewise.opaque import opaque_op_info, splitting_op_names
+from piecewise.parallel import Column, RowParallel, shard_layer, shard_modules
+
+CONFIG = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96)
+
+
+def rel_error(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _worker(rank: int, world: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, (ids, positions, _) = example(tokens=7, **CONFIG)  # same seed, so the same weights on every rank
+        if nvfp4:
+            quantize_linears(model)
+        with torch.no_grad():
+            expected = {t: model(ids[:t], positions[:t], model.make_kv_cache()) for t in (7, 3)}
+        sharded = tensor_parallel_llama(model, capture_all_reduce=in_graph)
+        assert sharded == [f"layers.{i}.{name}" for name in ("qkv", "o_proj", "gate_up", "down") for i in range(2)]
+        assert model.config.num_heads == 2 and model.config.num_kv_heads == 1 and model.config.intermediate_size == 48
+        assert isinstance(model.layers[0].o_proj, RowParallel)
+        assert isinstance(model.layers[0].qkv, NVFP4Linear if nvfp4 else torch.nn.Linear)
+        assert model.layers[0].qkv.out_features == 2 * 16 + 2 * 16  # 2 of 4 q heads, 1 of 2 kv heads
+        cache = model.make_kv_cache()
+        assert cache.shape[3] == 1  # this rank's KV heads
+        with torch.no_grad():
+            eager = model(ids, positions, cache)
+        assert rel_error(eager, expected[7]) <= 1e-5, rel_error(eager, expected[7])
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+        op = "piecewise_ops::all_reduce_in_graph" if in_graph else "piecewise_ops::all_reduce"
+        calls = opaque_op_info(op).eager_calls
+        with torch.no_grad():
+            for tokens in (7, 3):
+                cache.zero_()  # the same tensor every call: captured graphs read it in place
+                out = runner(ids[:tokens], positions[:tokens], cache)
+                assert rel_error(out, expected[tokens]) <= 1e-5, (tokens, rel_error(out, expected[tokens]))
+        stats = runner.stats
+        assert stats["traces"] == 1
+        # cut at every attention, and at both all-reduces of each layer unless they stay inside the pieces
+        splits = 1 if in_graph else 3
+        assert stats["pieces"] == splits * 2 + 1 and stats["splitting_op_calls"] == splits * 2
+        assert opaque_op_info(op).eager_calls - calls >= 2 * 2 * 2
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("nvfp4,in_graph", [(False, False), (True, False), (False, True)],
+                         ids=["fp32", "nvfp4", "fp32-all-reduce-in-pieces"])
+def test_two_ranks_equal_the_whole_model_eager_and_piecewise(nvfp4, in_graph):
+    """Each rank's output (eager, then piecewise at 7 and 3 tokens) equals the unsharded model's."""
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_worker, args=(2, os.path.join(directory, "init"), nvfp4, in_graph), nprocs=2, join=True)
+
+
+def test_all_reduce_is_a_splitting_op_unless_captured():
+    assert "piecewise_ops::all_reduce" in splitting_op_names()
+    assert "piecewise_ops::all_reduce_in_graph" not in splitting_op_names()
+
+
+def test_column_and_row_shards_of_a_linear_rebuild_it():
+    """Shards of one layer, without a process group: column shards stack to the layer's output, row shards
+    sum to it (the all-reduce's job, done by hand here)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 12)
+    x = torch.randn(5, 32)
+    columns = [shard_layer(layer, Column(sections=(8, 4)), rank, 2, "unused") for rank in range(2)]
+    parts = [c(x) for c in columns]  # each: 4 rows of section 0, then 2 of section 1
+    rebuilt = torch.cat([parts[0][:, :4], parts[1][:, :4], parts[0][:, 4:], parts[1][:, 4:]], dim=1)
+    torch.testing.assert_close(rebuilt, layer(x))
+    rows = [shard_layer(layer, "row", rank, 2, "unused") for rank in range(2)]
+    assert rows[0].layer.in_features == 16 and rows[0].bias is not None
+    total = sum(r.layer(x[:, 16 * i : 16 * (i + 1)]) for i, r in enumerate(rows)) + rows[0].bias
+    torch.testing.assert_close(total, layer(x))
+
+
+def test_nvfp4_shards_keep_the_layers_bytes():
+    torch.manual_seed(0)
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(64, 8, bias=False))
+    x = torch.randn(3, 64)
+    row = shard_layer(layer, "row", 1, 2, "unused")
+    assert torch.equal(row.layer.weight, layer.weight[:, 16:])
+    assert torch.equal(row.layer.weight_scale.view(torch.uint8), layer.weight_scale.view(torch.uint8)[:, 2:])
+    column = shard_layer(layer, "column", 1, 2, "unused")
+    torch.testing.assert_close(column(x), layer(x)[:, 4:])
+    with pytest.raises(ValueError, match="whole number of 16-input scale blocks"):
+        shard_layer(layer, "row", 0, 8, "unused")  # 8 inputs per rank
+
+
+def test_plans_that_cannot_apply_are_errors():
+    model, _ = example(**CONFIG)
+    with pytest.raises(ValueError, match=r"\['layers\.\*\.q_proj'\] match no module"):
+        shard_modules(model, {"layers.*.q_proj": "column"}, 0, 2, "unused")
+    with pytest.raises(ValueError, match="section 1 of out_features is 31, which 3 ranks cannot share"):
+        shard_modules(model, {"layers.0.qkv": Column(sections=(66, 31, 31))}, 0, 3, "unused")
+    with pytest.raises(ValueError, match="add up to 96, not out_features=128"):
+        shard_modules(model, {"layers.0.qkv": Column(sections=(64, 32))}, 0, 2, "unused")
+    with pytest.raises(ValueError, match="layers.0.input_norm is a RMSNorm"):
+        shard_modules(model, {"layers.0.input_norm": "row"}, 0, 2, "unused")
+    with pytest.raises(ValueError, match="shard style"):
+        shard_modules(model, {"layers.0.qkv": "diagonal"}, 0, 2, "unused")
+
+
+def test_tensor_parallel_needs_an_initialised_process_group():
+    from piecewise.parallel import tensor_parallel
+
+    model, _ = example(**CONFIG)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tensor_parallel(model, {"layers.*.down": "row"})
