@@ -23,6 +23,7 @@ def rel_error(out, ref):
 
 
 def _worker(rank: int, world: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no dependence on the host name resolving
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         model, (ids, positions, _) = example(tokens=7, **CONFIG)  # same seed, so the same weights on every rank
