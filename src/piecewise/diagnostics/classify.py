@@ -40,7 +40,9 @@ FIXES: dict[str, str] = {
     "host_sync": (
         "Keep values on the device: replace .item() / .tolist() / .cpu() / printing tensors and Python `if` "
         "on tensor values with tensor ops (torch.where, masks, clamp), or compute host-side values before "
-        "forward and pass them in. A host sync is illegal while a CUDA graph captures."
+        "forward and pass them in. Code that must branch on tensor values (an MoE's loop over the experts that "
+        "got tokens) goes into one function made a splitting op, piecewise.opaque_op(name, split=True), which "
+        "runs eagerly between captured pieces. A host sync is illegal while a CUDA graph captures."
     ),
     "data_dependent_shape": (
         "Keep shapes static: use a fixed-size formulation (torch.where(cond, x, y) or a mask multiply instead "

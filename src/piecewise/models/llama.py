@@ -113,10 +113,12 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def example(tokens: int = 7, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **config):
-    """The bundled demo: ``(model, (input_ids, positions, kv_cache))`` (usable as a CLI factory)."""
+def example(tokens: int = 7, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, *,
+            model_class: type[TinyLlama] | None = None, config_class: type[LlamaConfig] = LlamaConfig, **config):
+    """The bundled demo: ``(model, (input_ids, positions, kv_cache))`` (usable as a CLI factory); ``model_class``
+    and ``config_class`` give other models of the same forward (``TinyLlama`` and ``LlamaConfig`` by default)."""
     torch.manual_seed(seed)
-    model = TinyLlama(LlamaConfig(**config)).to(device=device, dtype=dtype).eval()
+    model = (model_class or TinyLlama)(config_class(**config)).to(device=device, dtype=dtype).eval()
     input_ids = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
     positions = torch.arange(tokens, device=device)
     return model, (input_ids, positions, model.make_kv_cache())

@@ -1,0 +1,212 @@
+"""A GLM-style mixture-of-experts decoder: the bundled Llama layers with, from layer ``first_k_dense_replace`` on,
+the MoE block of HF transformers' ``glm4_moe`` in place of the dense MLP.
+
+Router (``route``): float32 logits → sigmoid scores; ``e_score_correction_bias`` is added for the *choice* only;
+a group's score is the sum of its two best experts, the ``topk_group`` best of ``n_group`` groups stay, the
+``top_k`` best experts among them are chosen; their weights are the unbiased sigmoid scores, renormalised when
+``norm_topk_prob``, times ``routed_scaling_factor``. Plus the shared expert(s), a dense SwiGLU MLP.
+
+The router has static shapes and stays inside the captured pieces. The experts (``moe_experts``) loop over
+the experts that got tokens, which is data dependent (a host sync to count them): they are one opaque splitting
+op, run eagerly between pieces, as SGLang does with its DeepEP MoE. ``quantize_experts`` turns their weights
+into NVFP4 (``moe_experts_nvfp4``, the W4A16 kernels per expert). Attention is the Llama one (full rotary, no
+q/k/v bias), not GLM's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.nvfp4 import global_scale_for, linear, quantize
+from ..opaque import opaque_op
+from .attention import attention
+from .llama import DecoderLayer, LlamaConfig, TinyLlama
+from .llama import example as llama_example
+
+
+@dataclass
+class GlmMoeConfig(LlamaConfig):
+    num_experts: int = 8
+    top_k: int = 2
+    n_group: int = 2
+    topk_group: int = 1
+    moe_intermediate_size: int = 64
+    n_shared_experts: int = 1
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 1
+
+    def __post_init__(self):
+        if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
+            raise ValueError(
+                f"GlmMoeConfig: num_experts={self.num_experts} must split into n_group={self.n_group} groups of at "
+                f"least 2 experts (a group's score is its two best experts)"
+            )
+        if not 0 < self.topk_group <= self.n_group or not 0 < self.top_k <= self.topk_group * self.num_experts // self.n_group:
+            raise ValueError(
+                f"GlmMoeConfig: need 0 < topk_group ≤ n_group and 0 < top_k ≤ the experts of topk_group groups, got "
+                f"topk_group={self.topk_group}, n_group={self.n_group}, top_k={self.top_k}"
+            )
+
+
+def route(logits: torch.Tensor, correction_bias: torch.Tensor, config: GlmMoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights [T, top_k] float32, expert ids [T, top_k] int64); static shapes."""
+    tokens, experts = logits.shape
+    scores = logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    group_scores = choice.view(tokens, config.n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
+    groups = group_scores.topk(config.topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
+    expert_mask = group_mask.unsqueeze(-1).expand(tokens, config.n_group, experts // config.n_group).reshape(tokens, experts)
+    ids = choice.masked_fill(expert_mask == 0, 0.0).topk(config.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * config.routed_scaling_factor, ids
+
+
+def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+              expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Σ_j weights[t, j] · expert(ids[t, j], x[t]), one batched call per expert that got tokens."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the host sync: why this is a splitting op
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat_weights = weights.reshape(-1)
+    start = 0
+    for index, count in enumerate(counts):
+        if count:
+            rows = order[start : start + count]
+            tokens = rows // top_k
+            out.index_add_(0, tokens, expert(index, x[tokens]).float() * flat_weights[rows, None])
+            start += count
+    return out.to(x.dtype)
+
+
+def _experts_fake(x, ids, weights, *rest):
+    return torch.empty_like(x)
+
+
+@opaque_op("piecewise_examples::moe_experts", fake=_experts_fake, split=True)
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """Routed experts, SwiGLU: x [T, H], ids / weights [T, k], gate_up [E, 2I, H], down [E, H, I] → [T, H]."""
+
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, gate_up[index]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down[index])
+
+    return _dispatch(x, ids, weights, gate_up.shape[0], expert)
+
+
+@opaque_op("piecewise_examples::moe_experts_nvfp4", fake=_experts_fake, split=True)
+def moe_experts_nvfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                      gate_up_scale: torch.Tensor, gate_up_scale_2: torch.Tensor, down: torch.Tensor,
+                      down_scale: torch.Tensor, down_scale_2: torch.Tensor) -> torch.Tensor:
+    """``moe_experts`` with NVFP4 weights: packed [E, N, K/2], E4M3 scales [E, N, K/16], decode scales [E]."""
+
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(rows, gate_up[index], gate_up_scale[index], gate_up_scale_2[index]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, down[index], down_scale[index], down_scale_2[index])
+
+    return _dispatch(x, ids, weights, gate_up.shape[0], expert)
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, stacked: gate_up [E, 2I, H] and down [E, H, I]."""
+
+    def __init__(self, config: GlmMoeConfig):
+        super().__init__()
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * inter, hidden) / math.sqrt(hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.randn(experts, hidden, inter) / math.sqrt(inter), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return moe_experts(x, ids, weights, self.gate_up, self.down)
+
+
+class NVFP4Experts(nn.Module):
+    """``Experts`` with each expert's matrices quantized to NVFP4 (per-expert global scale)."""
+
+    def __init__(self, experts: Experts):
+        super().__init__()
+        for name in ("gate_up", "down"):
+            stacked = getattr(experts, name).detach()
+            parts = [quantize(w, scale) for w, scale in ((w, global_scale_for(w)) for w in stacked)]
+            self.register_buffer(name, torch.stack([packed for packed, _ in parts]))
+            self.register_buffer(f"{name}_scale", torch.stack([scales for _, scales in parts]))
+            self.register_buffer(f"{name}_scale_2", torch.stack([1 / global_scale_for(w) for w in stacked]).float())
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return moe_experts_nvfp4(x, ids, weights, self.gate_up, self.gate_up_scale, self.gate_up_scale_2,
+                                 self.down, self.down_scale, self.down_scale_2)
+
+
+class GlmMoE(nn.Module):
+    """Router, routed experts and shared expert(s): [T, H] → [T, H]."""
+
+    def __init__(self, config: GlmMoeConfig):
+        super().__init__()
+        self.config = config
+        hidden, shared = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+        self.router = nn.Linear(hidden, config.num_experts, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+        self.experts = Experts(config)
+        self.shared_gate_up = nn.Linear(hidden, 2 * shared, bias=False)
+        self.shared_down = nn.Linear(shared, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.router.weight.float())
+        weights, ids = route(logits, self.e_score_correction_bias, self.config)
+        gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
+        return self.experts(x, ids, weights) + self.shared_down(F.silu(gate) * up)
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """A decoder layer whose MLP is ``GlmMoE``."""
+
+    def __init__(self, config: GlmMoeConfig, index: int, attend=attention):
+        super().__init__(config, index, attend)
+        del self.gate_up, self.down
+        self.mlp = GlmMoE(config)
+
+    def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        x = x + self.o_proj(attended)
+        return x + self.mlp(self.post_norm(x))
+
+
+class GlmMoeModel(TinyLlama):
+    """``TinyLlama`` with MoE layers from ``first_k_dense_replace`` on; same forward signature."""
+
+    def __init__(self, config: GlmMoeConfig | None = None, attend=attention):
+        config = config or GlmMoeConfig()
+        super().__init__(config, attend)
+        for index in range(config.first_k_dense_replace, config.num_layers):
+            self.layers[index] = MoeDecoderLayer(config, index, attend)
+
+
+def quantize_experts(model: nn.Module) -> int:
+    """Replace every ``Experts`` of ``model`` by its ``NVFP4Experts``, in place; returns how many. The other
+    linear layers convert with ``quantize_linears(model, skip=("lm_head", "router"))``."""
+    count = 0
+    for module in list(model.modules()):
+        if isinstance(module, GlmMoE) and type(module.experts) is Experts:
+            module.experts = NVFP4Experts(module.experts)
+            count += 1
+    return count
+
+
+def example(tokens: int = 7, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **config):
+    """A small GLM-style MoE model and its inputs ``(input_ids, positions, kv_cache)`` (usable as a CLI factory)."""
+    model, inputs = llama_example(tokens, device, dtype, seed, model_class=GlmMoeModel, config_class=GlmMoeConfig, **config)
+    for module in model.modules():
+        if isinstance(module, GlmMoE):  # the router's correction bias stays float32, as in HF checkpoints
+            module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
+    return model, inputs
