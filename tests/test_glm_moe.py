@@ -35,7 +35,8 @@ def route_per_token(logits, bias, c: GlmMoeConfig):
 def test_router_matches_the_per_token_rules(config):
     generator = torch.Generator().manual_seed(config.num_experts)
     logits = torch.randn(9, config.num_experts, generator=generator)
-    bias = torch.randn(config.num_experts, generator=generator) * 0.5  # large enough to change choices
+    # large enough to change choices, and to make some choice scores negative (masked experts must still lose)
+    bias = torch.randn(config.num_experts, generator=generator) - 0.5
     weights, ids = route(logits, bias, config)
     expected = route_per_token(logits, bias, config)
     for row in range(9):

@@ -64,7 +64,7 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor, config: GlmMoeCon
     groups = group_scores.topk(config.topk_group, dim=-1, sorted=False).indices
     group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
     expert_mask = group_mask.unsqueeze(-1).expand(tokens, config.n_group, experts // config.n_group).reshape(tokens, experts)
-    ids = choice.masked_fill(expert_mask == 0, 0.0).topk(config.top_k, dim=-1, sorted=False).indices
+    ids = choice.masked_fill(expert_mask == 0, float("-inf")).topk(config.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if config.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
