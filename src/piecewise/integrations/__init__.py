@@ -1,0 +1,1 @@
+"""Adapters that run other libraries' models under piecewise."""

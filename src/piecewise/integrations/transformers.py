@@ -1,0 +1,98 @@
+"""Hugging Face transformers causal LMs under piecewise: attention and MoE experts become splitting ops.
+
+    from transformers import AutoModelForCausalLM
+    from piecewise.integrations.transformers import TokenModel, enable
+
+    model = AutoModelForCausalLM.from_pretrained(...)   # any model that dispatches through transformers'
+    enable(model)                                        # attention (and experts) interfaces
+    runner = piecewise.compile(TokenModel(model), piecewise.CaptureConfig(max_tokens=512))
+    logits = runner(input_ids, position_ids)             # one sequence, no KV cache: [T] → [T, vocab]
+
+``enable`` registers an attention implementation and, for MoE models whose experts dispatch through
+transformers' experts interface (stacked ``gate_up_proj`` / ``down_proj``, SwiGLU), an experts implementation
+named ``"piecewise"``, and selects them in the model's config. Attention is causal over the tokens of the call
+(prefill of one sequence, no KV cache and no padding mask); it runs eagerly between pieces on the real tokens.
+The experts run through ``piecewise.models.glm_moe.moe_experts``, also a splitting op (their loop over the
+experts that got tokens is data dependent). ``TokenModel`` gives the model the token-major call piecewise pads:
+``input_ids`` and ``position_ids`` of shape [T].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.glm_moe import moe_experts
+from ..opaque import opaque_op
+
+NAME = "piecewise"
+
+
+def _attention_fake(q, k, v, scaling):
+    return q.new_empty(q.shape)
+
+
+@opaque_op("piecewise_hf::causal_attention", fake=_attention_fake, split=True)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of one sequence, token-major: q [T, Hq, D], k / v [T, Hkv, D] → [T, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T, D]
+    values = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True, scale=scaling)
+    return out.transpose(0, 1)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention interface: q [1, Hq, T, D], k / v [1, Hkv, T, D] → ([1, T, Hq, D], None)."""
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"the piecewise attention takes one sequence (batch 1), got a batch of {query.shape[0]}: call the "
+            f"model through piecewise.integrations.transformers.TokenModel"
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale)
+    return out.unsqueeze(0), None
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts interface for stacked SwiGLU experts: hidden_states [T, H] → [T, H]."""
+    if getattr(self, "has_bias", False) or not getattr(self, "has_gate", True) or getattr(self, "is_transposed", False):
+        raise ValueError(
+            f"{type(self).__name__}: the piecewise experts take stacked gate_up_proj [E, 2I, H] and down_proj "
+            f"[E, H, I] without bias; this model's layout differs: leave its experts_implementation as it was"
+        )
+    return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the attention op is causal by itself
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Route ``model``'s attention (and experts, where it has them) through piecewise's splitting ops."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, _no_mask)
+    model.config._attn_implementation = NAME
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    if experts:
+        from transformers.integrations.moe import ExpertsInterface
+
+        ExpertsInterface.register(NAME, experts_forward)
+        model.config._experts_implementation = NAME
+    return model
+
+
+class TokenModel(nn.Module):
+    """``forward(input_ids [T], position_ids [T]) → logits [T, vocab]`` of one sequence, without a KV cache."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+        return out.logits[0]

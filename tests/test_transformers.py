@@ -1,0 +1,98 @@
+"""transformers models under piecewise on CPU: tiny random GLM-MoE and Llama configs, no downloads."""
+
+import pytest
+import torch
+
+import piecewise
+
+transformers = pytest.importorskip("transformers")
+from piecewise.integrations.transformers import TokenModel, enable  # noqa: E402
+from piecewise.models.glm_moe import GlmMoeConfig, route  # noqa: E402
+
+
+def glm_moe(experts_implementation=None):
+    """A 3-layer Glm4MoeForCausalLM (1 dense + 2 MoE layers) with qk-norm, q/k/v bias, partial rotary, and
+    router weights and correction bias large enough that routing varies across tokens."""
+    torch.manual_seed(0)
+    config = transformers.Glm4MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, partial_rotary_factor=0.5,
+        use_qk_norm=True, attention_bias=True)
+    model = transformers.Glm4MoeForCausalLM(config).eval()
+    for module in model.modules():
+        if type(module).__name__ == "Glm4MoeTopkRouter":
+            torch.nn.init.normal_(module.weight, std=0.5)
+            module.e_score_correction_bias.normal_()
+        if hasattr(module, "gate_up_proj"):
+            torch.nn.init.normal_(module.gate_up_proj, std=0.1)
+            torch.nn.init.normal_(module.down_proj, std=0.1)
+    if experts_implementation:
+        model.config._experts_implementation = experts_implementation
+    return model
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids[None], position_ids=torch.arange(len(ids))[None], use_cache=False).logits[0]
+
+
+def test_glm_moe_under_piecewise_equals_transformers_eager():
+    model = glm_moe()
+    references = {t: hf_logits(model, torch.randint(0, 256, (t,), generator=torch.Generator().manual_seed(t)))
+                  for t in (1, 5, 9, 16, 20)}
+    runner = piecewise.compile(TokenModel(enable(model)), piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        for tokens, expected in references.items():
+            ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(tokens))
+            torch.testing.assert_close(runner(ids, torch.arange(tokens)), expected, rtol=1e-5, atol=1e-5)
+    stats = runner.stats
+    assert stats["traces"] == 1 and stats["graph_breaks"] == 0
+    assert stats["pieces"] == 3 + 2 + 1  # cut at 3 attentions and at the experts of the 2 MoE layers
+
+
+def test_doctor_names_the_transformers_expert_loop():
+    model = glm_moe(experts_implementation="eager")
+    report = piecewise.doctor(TokenModel(model), torch.randint(0, 256, (9,)), torch.arange(9))
+    assert not report.ok
+    lines = {(b.kind, b.location.code.strip()) for b in report.blockers}
+    assert ("data_dependent_shape", "expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()") in lines
+    assert all(b.location.file.endswith("modeling_glm4_moe.py") for b in report.blockers)
+    assert report.blockers[0].chain[0].function == "forward"  # TokenModel.forward first
+    assert any("split=True" in b.fix for b in report.blockers)
+    assert piecewise.doctor(TokenModel(enable(model)), torch.randint(0, 256, (9,)), torch.arange(9)).ok
+
+
+def test_glm_moe_router_matches_transformers():
+    model = glm_moe()
+    router = model.model.layers[1].mlp.gate
+    c = model.config
+    config = GlmMoeConfig(num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok, n_group=c.n_group,
+                          topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
+                          norm_topk_prob=c.norm_topk_prob)
+    x = torch.randn(13, c.hidden_size)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = router(x)
+        weights, ids = route(logits, router.e_score_correction_bias, config)
+    order, hf_order = ids.argsort(dim=1), hf_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+def test_a_dense_llama_runs_through_the_same_attention():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (11,))
+    expected = hf_logits(model, ids)
+    runner = piecewise.compile(TokenModel(enable(model)), piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        torch.testing.assert_close(runner(ids, torch.arange(11)), expected, rtol=1e-5, atol=1e-5)
+    assert runner.stats["pieces"] == 3
+
+
+def test_batches_are_refused_with_the_remedy():
+    model = enable(glm_moe())
+    with pytest.raises(ValueError, match="one sequence .*TokenModel"):
+        model(input_ids=torch.zeros(2, 4, dtype=torch.long), use_cache=False)
