@@ -96,3 +96,22 @@ def test_batches_are_refused_with_the_remedy():
     model = enable(glm_moe())
     with pytest.raises(ValueError, match="one sequence .*TokenModel"):
         model(input_ids=torch.zeros(2, 4, dtype=torch.long), use_cache=False)
+
+
+def test_prefill_then_decode_with_a_kv_cache_equals_the_whole_sequence():
+    """Prompt of 6 tokens, then 5 decode steps of one token, all through piecewise with the cache: each step's
+    logits equal transformers' forward over the whole sequence at that position."""
+    model = glm_moe()
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(11))
+    expected = hf_logits(model, ids)
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=32)
+    assert cache.shape == (3, 2, 32, 2, 16)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        prompt = runner(ids[:6], torch.arange(6), cache)
+        torch.testing.assert_close(prompt, expected[:6], rtol=1e-5, atol=1e-5)
+        for position in range(6, 11):
+            step = runner(ids[position : position + 1], torch.tensor([position]), cache)
+            torch.testing.assert_close(step[0], expected[position], rtol=1e-5, atol=1e-5)
+    assert runner.stats["traces"] == 1 and runner.stats["pieces"] == 6

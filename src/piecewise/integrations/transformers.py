@@ -8,10 +8,16 @@
     runner = piecewise.compile(TokenModel(model), piecewise.CaptureConfig(max_tokens=512))
     logits = runner(input_ids, position_ids)             # one sequence, no KV cache: [T] → [T, vocab]
 
+    cache = TokenModel(model).make_kv_cache(max_seq_len=4096)   # prefill, then decode steps, one sequence
+    logits = runner(prompt_ids, torch.arange(len(prompt_ids)), cache)
+    logits = runner(next_id, torch.tensor([len(prompt_ids)]), cache)
+
 ``enable`` registers an attention implementation and, for MoE models whose experts dispatch through
 transformers' experts interface (stacked ``gate_up_proj`` / ``down_proj``, SwiGLU), an experts implementation
-named ``"piecewise"``, and selects them in the model's config. Attention is causal over the tokens of the call
-(prefill of one sequence, no KV cache and no padding mask); it runs eagerly between pieces on the real tokens.
+named ``"piecewise"``, and selects them in the model's config. Attention runs eagerly between pieces on the
+real tokens: causal over the tokens of the call without a KV cache, or, given one (``kv_cache``
+[layers, 2, max_seq_len, kv heads, head_dim], transformers' own Cache objects are not used), it writes the
+call's keys and values at ``position_ids`` and attends causally over the cache (``models.attention``).
 The experts run through ``piecewise.models.glm_moe.moe_experts``, also a splitting op (their loop over the
 experts that got tokens is data dependent). ``TokenModel`` gives the model the token-major call piecewise pads:
 ``input_ids`` and ``position_ids`` of shape [T].
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.attention import attention as cached_attention
 from ..models.glm_moe import moe_experts
 from ..opaque import opaque_op
 
@@ -51,8 +58,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             f"model through piecewise.integrations.transformers.TokenModel"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale)
-    return out.unsqueeze(0), None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # token-major [T, H, D]
+    kv_cache = kwargs.get("piecewise_kv_cache")
+    if kv_cache is None:
+        return causal_attention(q, k, v, scale).unsqueeze(0), None
+    out = cached_attention(q, k, v, kwargs["position_ids"][0], kv_cache, module.layer_idx, scale)
+    return out.view(q.shape).unsqueeze(0), None
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -87,12 +98,21 @@ def enable(model: nn.Module) -> nn.Module:
 
 
 class TokenModel(nn.Module):
-    """``forward(input_ids [T], position_ids [T]) → logits [T, vocab]`` of one sequence, without a KV cache."""
+    """``forward(input_ids [T], position_ids [T], kv_cache=None) → logits [T, vocab]`` of one sequence."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: torch.Tensor | None = None) -> torch.Tensor:
+        extra = {} if kv_cache is None else {"piecewise_kv_cache": kv_cache}
+        out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **extra)
         return out.logits[0]
+
+    def make_kv_cache(self, max_seq_len: int, device=None, dtype=None) -> torch.Tensor:
+        """A zeroed cache [layers, 2, max_seq_len, kv heads, head_dim] for ``forward``'s ``kv_cache``."""
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        weight = next(self.model.parameters())
+        return torch.zeros(c.num_hidden_layers, 2, max_seq_len, c.num_key_value_heads, head_dim,
+                           device=device or weight.device, dtype=dtype or weight.dtype)

@@ -12,16 +12,18 @@ import torch.nn.functional as F
 from ..opaque import opaque_op
 
 
-def attention_fake(q, k, v, positions, kv_cache, layer):
+def attention_fake(q, k, v, positions, kv_cache, layer, scale=None):
     """Output metadata of the attention ops: [T, Hq·D]."""
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 @opaque_op("piecewise_examples::attention", fake=attention_fake, mutates_args=("kv_cache",), split=True)
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, layer: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [layers, 2, max_seq, Hkv, D] → [T, Hq·D]."""
+    """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [layers, 2, max_seq, Hkv, D] → [T, Hq·D]; ``scale`` defaults to
+    1/√D."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     cache = kv_cache[layer]
@@ -35,5 +37,5 @@ def attention(
     key_positions = torch.arange(cache.shape[1], device=q.device)
     visible = key_positions[None, :] <= positions[:, None]  # [T, S] causal over the cache
     mask = visible.repeat(group, 1)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return out.view(kv_heads, group, tokens, head_dim).permute(2, 0, 1, 3).reshape(tokens, q_heads * head_dim)
