@@ -15,14 +15,18 @@ def rel_error(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def test_glm_moe_captured_equals_transformers_eager():
+def glm_moe():
     torch.manual_seed(0)
     config = transformers.Glm4MoeConfig(
         vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, n_routed_experts=16, num_experts_per_tok=4,
         n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1, partial_rotary_factor=0.5,
         use_qk_norm=True, attention_bias=True)
-    model = transformers.Glm4MoeForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    return transformers.Glm4MoeForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def test_glm_moe_captured_equals_transformers_eager():
+    model = glm_moe()
     inputs = {t: torch.randint(0, 512, (t,), device="cuda") for t in (1, 7, 32)}
     with torch.no_grad():
         expected = {t: model(input_ids=ids[None], use_cache=False).logits[0] for t, ids in inputs.items()}
@@ -34,3 +38,20 @@ def test_glm_moe_captured_equals_transformers_eager():
     stats = runner.stats
     assert stats["cuda_graphs"] is True and stats["traces"] == 1 and stats["pieces"] == 6
     assert stats["graphs"] == 6 * len(stats["captured_sizes"])
+
+
+def test_glm_moe_decode_steps_replay_graphs_and_match_the_whole_sequence():
+    model = glm_moe()
+    ids = torch.randint(0, 512, (12,), device="cuda")
+    with torch.no_grad():
+        expected = model(input_ids=ids[None], use_cache=False).logits[0]
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=64)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        prompt = runner(ids[:8], torch.arange(8, device="cuda"), cache)
+        assert rel_error(prompt, expected[:8]) <= 2e-2
+        for position in range(8, 12):
+            step = runner(ids[position : position + 1], torch.tensor([position], device="cuda"), cache)
+            assert rel_error(step[0], expected[position]) <= 2e-2, position
+    assert runner.stats["replays"] > 0
