@@ -115,3 +115,32 @@ def test_prefill_then_decode_with_a_kv_cache_equals_the_whole_sequence():
             step = runner(ids[position : position + 1], torch.tensor([position]), cache)
             torch.testing.assert_close(step[0], expected[position], rtol=1e-5, atol=1e-5)
     assert runner.stats["traces"] == 1 and runner.stats["pieces"] == 6
+
+
+def test_nvfp4_weights_compute_with_their_dequantized_values():
+    """``quantize`` converts the linear layers and the stacked experts; the result equals transformers' eager
+    forward of the same model holding the NVFP4 values dequantized."""
+    from piecewise.integrations.transformers import quantize
+    from piecewise.kernels.nvfp4 import NVFP4Linear, dequantize
+
+    quantized, reference = enable(glm_moe()), glm_moe()
+    with pytest.raises(ValueError, match="enable"):
+        quantize(glm_moe())
+    converted = quantize(quantized)
+    assert "model.layers.1.mlp.experts" in converted and "model.layers.0.self_attn.q_proj" in converted
+    assert "lm_head" not in converted
+    modules = dict(reference.named_modules())
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, NVFP4Linear):
+                modules[name].weight.copy_(module.dequantized_weight(torch.float32))
+            elif hasattr(module, "nvfp4"):
+                for stacked in ("gate_up", "down"):
+                    q = module.nvfp4
+                    values = [dequantize(p, s, 1 / d, dtype=torch.float32) for p, s, d in zip(
+                        getattr(q, stacked), getattr(q, f"{stacked}_scale"), getattr(q, f"{stacked}_scale_2"))]
+                    getattr(modules[name], f"{stacked}_proj").copy_(torch.stack(values))
+    ids = torch.randint(0, 256, (9,))
+    runner = piecewise.compile(TokenModel(quantized), piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        torch.testing.assert_close(runner(ids, torch.arange(9)), hf_logits(reference, ids), rtol=1e-4, atol=1e-4)

@@ -20,17 +20,20 @@ real tokens: causal over the tokens of the call without a KV cache, or, given on
 call's keys and values at ``position_ids`` and attends causally over the cache (``models.attention``).
 The experts run through ``piecewise.models.glm_moe.moe_experts``, also a splitting op (their loop over the
 experts that got tokens is data dependent). ``TokenModel`` gives the model the token-major call piecewise pads:
-``input_ids`` and ``position_ids`` of shape [T].
+``input_ids`` and ``position_ids`` of shape [T]. ``quantize`` gives an enabled model NVFP4 weights (W4A16).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.nvfp4 import quantize_linears
 from ..models.attention import attention as cached_attention
-from ..models.glm_moe import moe_experts
+from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
 
 NAME = "piecewise"
@@ -68,6 +71,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts interface for stacked SwiGLU experts: hidden_states [T, H] → [T, H]."""
+    nvfp4 = getattr(self, "nvfp4", None)
+    if nvfp4 is not None:
+        return nvfp4(hidden_states, top_k_index, top_k_weights)
     if getattr(self, "has_bias", False) or not getattr(self, "has_gate", True) or getattr(self, "is_transposed", False):
         raise ValueError(
             f"{type(self).__name__}: the piecewise experts take stacked gate_up_proj [E, 2I, H] and down_proj "
@@ -95,6 +101,23 @@ def enable(model: nn.Module) -> nn.Module:
         ExpertsInterface.register(NAME, experts_forward)
         model.config._experts_implementation = NAME
     return model
+
+
+def quantize(model: nn.Module) -> list[str]:
+    """NVFP4 weights for an ``enable``d model, in place: every ``nn.Linear`` but the output head
+    (``quantize_linears``) and every stacked-experts module (``NVFP4Experts``, its bf16 ``gate_up_proj`` /
+    ``down_proj`` dropped). Returns the qualified names converted."""
+    if getattr(model.config, "_experts_implementation", None) != NAME and any(
+        hasattr(m, "gate_up_proj") for m in model.modules()
+    ):
+        raise ValueError("quantize(model) needs enable(model) first: only the piecewise experts run NVFP4 experts")
+    converted = quantize_linears(model)
+    for name, module in model.named_modules():
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            module.nvfp4 = NVFP4Experts(SimpleNamespace(gate_up=module.gate_up_proj, down=module.down_proj))
+            del module.gate_up_proj, module.down_proj
+            converted.append(name)
+    return converted
 
 
 class TokenModel(nn.Module):

@@ -133,12 +133,13 @@ class Experts(nn.Module):
 
 
 class NVFP4Experts(nn.Module):
-    """``Experts`` with each expert's matrices quantized to NVFP4 (per-expert global scale)."""
+    """``Experts`` with each expert's matrices quantized to NVFP4 (per-expert global scale); built from
+    anything holding stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] tensors."""
 
     def __init__(self, experts: Experts):
         super().__init__()
-        for name in ("gate_up", "down"):
-            stacked = getattr(experts, name).detach()
+        for name, stacked in (("gate_up", experts.gate_up), ("down", experts.down)):
+            stacked = stacked.detach()
             parts = [quantize(w, scale) for w, scale in ((w, global_scale_for(w)) for w in stacked)]
             self.register_buffer(name, torch.stack([packed for packed, _ in parts]))
             self.register_buffer(f"{name}_scale", torch.stack([scales for _, scales in parts]))
