@@ -1,0 +1,139 @@
+"""Decode step of a transformers GLM-MoE model (GLM-4.5-Air layer shapes, few layers, random weights): transformers
+eager with its DynamicCache, against piecewise (``integrations.transformers``: attention and experts as splitting
+ops, the rest captured), with bf16 and with NVFP4 weights.
+
+    PYTHONPATH=src python benchmarks/hf_decode.py --out DIR [--layers 4] [--context 512]
+    PYTHONPATH=src python benchmarks/hf_decode.py --tiny          # a small config on any device (checks the script)
+
+Writes hf_decode.json and hf_decode.md: host-inclusive ms per one-token decode step (median of rounds), and
+each variant's rel. error against transformers' logits for the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import piecewise
+from piecewise.integrations.transformers import TokenModel, enable, quantize
+
+AIR = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+           num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_routed_experts=128, num_experts_per_tok=8,
+           n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, partial_rotary_factor=0.5,
+           attention_bias=True, routed_scaling_factor=1.0, norm_topk_prob=True)
+TINY = dict(AIR, vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=16, num_experts_per_tok=4)
+
+
+def build(config_values: dict, layers: int, device: str, dtype: torch.dtype):
+    import transformers
+
+    config = transformers.Glm4MoeConfig(num_hidden_layers=layers, **config_values)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.Glm4MoeForCausalLM(config).to(dtype).eval()
+    for module in model.modules():  # transformers leaves expert weights uninitialised outside from_pretrained
+        if hasattr(module, "gate_up_proj"):
+            torch.nn.init.normal_(module.gate_up_proj, std=0.02)
+            torch.nn.init.normal_(module.down_proj, std=0.02)
+    return model
+
+
+def timed(step, sync, rounds: int, iters: int) -> float:
+    for _ in range(3):
+        step()
+    samples = []
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        sync()
+        samples.append((time.perf_counter() - start) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def rel_error(out, ref) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens before the timed decode step")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rounds, iters = (3, 3) if args.tiny else (7, 20)
+    config_values = TINY if args.tiny else AIR
+    prompt_len = min(args.context, 64) if args.tiny else args.context
+    ids = torch.randint(0, config_values["vocab_size"], (prompt_len + 1,), device=device)
+    positions = torch.arange(prompt_len + 1, device=device)
+
+    results, errors = {}, {}
+    with torch.no_grad():
+        model = build(config_values, args.layers, device, dtype)
+        expected = model(input_ids=ids[None], use_cache=False).logits[0, -1]
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[None, :prompt_len], past_key_values=cache, use_cache=True)
+
+        def hf_step():
+            out = model(input_ids=ids[None, prompt_len:], position_ids=positions[None, prompt_len:],
+                        past_key_values=cache, use_cache=True).logits
+            cache.crop(prompt_len)
+            return out
+
+        errors["transformers eager"] = rel_error(hf_step()[0, -1], expected)
+        results["transformers eager"] = timed(hf_step, sync, rounds, iters)
+        del cache
+
+        for name, nvfp4 in (("piecewise", False), ("piecewise, NVFP4 weights", True)):
+            if nvfp4 and device != "cuda" and not args.tiny:
+                continue
+            token_model = TokenModel(enable(model))
+            if nvfp4:
+                quantize(model)
+            kv_cache = token_model.make_kv_cache(max_seq_len=prompt_len + 1)
+            runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=max(8, prompt_len)))
+            runner(ids[:prompt_len], positions[:prompt_len], kv_cache)  # prefill (captures every size)
+
+            def step(runner=runner, kv_cache=kv_cache):
+                return runner(ids[prompt_len:], positions[prompt_len:], kv_cache)
+
+            errors[name] = rel_error(step()[-1], expected)
+            results[name] = timed(step, sync, rounds, iters)
+            results[name + ": capture seconds"] = runner.stats["capture_seconds"]
+
+    meta = {
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "command": "PYTHONPATH=src python benchmarks/hf_decode.py " + " ".join(sys.argv[1:]),
+        "model": f"Glm4MoeForCausalLM, {args.layers} layers ({'tiny config' if args.tiny else 'GLM-4.5-Air layer shapes'}), "
+                 f"random weights, {dtype}, one sequence, {prompt_len} tokens of context",
+    }
+    lines = ["# Decode step of a transformers GLM-MoE model", "", *(f"- {k}: {v}" for k, v in meta.items()), "",
+             "| variant | ms per step | rel. error vs transformers (no cache) |", "|---|---|---|"]
+    lines += [f"| {name} | {ms:.3f} | {errors[name]:.1e} |" for name, ms in results.items() if name in errors]
+    lines += ["", *(f"- {name}: {value:.1f}" for name, value in results.items() if name not in errors), ""]
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "hf_decode.json").write_text(json.dumps({"meta": meta, "ms": results, "rel_error": errors}, indent=2))
+        (args.out / "hf_decode.md").write_text("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
