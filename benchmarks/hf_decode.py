@@ -1,6 +1,6 @@
 """Decode step of a transformers GLM-MoE model (GLM-4.5-Air layer shapes, few layers, random weights): transformers
-eager with its DynamicCache, against piecewise (``integrations.transformers``: attention and experts as splitting
-ops, the rest captured), with bf16 and with NVFP4 weights.
+eager with its DynamicCache, against piecewise (``integrations.transformers``: attention as a splitting op; the
+experts either captured in the graphs, transformers' grouped_mm, or a splitting op), with bf16 and NVFP4 weights.
 
     PYTHONPATH=src python benchmarks/hf_decode.py --out DIR [--layers 4] [--context 512]
     PYTHONPATH=src python benchmarks/hf_decode.py --tiny          # a small config on any device (checks the script)
@@ -99,10 +99,13 @@ def main() -> int:
         results["transformers eager"] = timed(hf_step, sync, rounds, iters)
         del cache
 
-        for name, nvfp4 in (("piecewise", False), ("piecewise, NVFP4 weights", True)):
-            if nvfp4 and device != "cuda" and not args.tiny:
-                continue
-            token_model = TokenModel(enable(model))
+        variants = (("piecewise, transformers' grouped_mm experts in the graphs", False, False),
+                    ("piecewise, experts between pieces", True, False),
+                    ("piecewise, experts between pieces, NVFP4 weights", True, True))
+        for name, split_experts, nvfp4 in variants:
+            if not split_experts:
+                model.config._experts_implementation = "grouped_mm"
+            token_model = TokenModel(enable(model, experts=split_experts))
             if nvfp4:
                 quantize(model)
             kv_cache = token_model.make_kv_cache(max_seq_len=prompt_len + 1)

@@ -144,3 +144,15 @@ def test_nvfp4_weights_compute_with_their_dequantized_values():
     runner = piecewise.compile(TokenModel(quantized), piecewise.CaptureConfig(max_tokens=16))
     with torch.no_grad():
         torch.testing.assert_close(runner(ids, torch.arange(9)), hf_logits(reference, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_transformers_grouped_mm_experts_stay_inside_the_pieces():
+    """With experts=False the model keeps transformers' grouped_mm experts (static shapes): only attention cuts."""
+    model = glm_moe(experts_implementation="grouped_mm")
+    ids = torch.randint(0, 256, (9,))
+    expected = hf_logits(model, ids)
+    runner = piecewise.compile(TokenModel(enable(model, experts=False)), piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        torch.testing.assert_close(runner(ids, torch.arange(9)), expected, rtol=1e-5, atol=1e-5)
+    assert model.config._experts_implementation == "grouped_mm"
+    assert runner.stats["pieces"] == 3 + 1 and runner.stats["graph_breaks"] == 0

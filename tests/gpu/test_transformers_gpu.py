@@ -55,3 +55,19 @@ def test_glm_moe_decode_steps_replay_graphs_and_match_the_whole_sequence():
             step = runner(ids[position : position + 1], torch.tensor([position], device="cuda"), cache)
             assert rel_error(step[0], expected[position]) <= 2e-2, position
     assert runner.stats["replays"] > 0
+
+
+def test_grouped_mm_experts_captured_in_the_graphs():
+    """transformers' grouped_mm experts (static shapes) inside the captured pieces; only attention splits."""
+    model = glm_moe()
+    model.config._experts_implementation = "grouped_mm"
+    ids = torch.randint(0, 512, (7,), device="cuda")
+    with torch.no_grad():
+        expected = model(input_ids=ids[None], use_cache=False).logits[0]
+    runner = piecewise.compile(TokenModel(enable(model, experts=False)), piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        out = runner(ids, torch.arange(7, device="cuda"))
+        assert rel_error(out, expected) <= 2e-2
+        out = runner(ids, torch.arange(7, device="cuda"))  # a replay
+        assert rel_error(out, expected) <= 2e-2
+    assert runner.stats["pieces"] == 4 and runner.stats["replays"] > 0

@@ -86,16 +86,17 @@ def _no_mask(*args, **kwargs):
     return None  # the attention op is causal by itself
 
 
-def enable(model: nn.Module) -> nn.Module:
-    """Route ``model``'s attention (and experts, where it has them) through piecewise's splitting ops."""
+def enable(model: nn.Module, *, experts: bool = True) -> nn.Module:
+    """Route ``model``'s attention (and, with ``experts``, its stacked MoE experts) through piecewise's splitting
+    ops. ``experts=False`` keeps the model's own experts implementation inside the pieces: transformers'
+    ``grouped_mm`` one has static shapes (device-side offsets), so it is traced and captured with the rest."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, _no_mask)
     model.config._attn_implementation = NAME
-    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
-    if experts:
+    if experts and any(hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") for m in model.modules()):
         from transformers.integrations.moe import ExpertsInterface
 
         ExpertsInterface.register(NAME, experts_forward)
