@@ -156,3 +156,23 @@ def test_transformers_grouped_mm_experts_stay_inside_the_pieces():
         torch.testing.assert_close(runner(ids, torch.arange(9)), expected, rtol=1e-5, atol=1e-5)
     assert model.config._experts_implementation == "grouped_mm"
     assert runner.stats["pieces"] == 3 + 1 and runner.stats["graph_breaks"] == 0
+
+
+def test_attention_the_piecewise_op_would_get_wrong_is_refused():
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, sliding_window=4))
+    with pytest.raises(ValueError, match=r"sliding_window=4 \(set config.sliding_window = None"):
+        enable(mistral)
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16))
+    with pytest.raises(ValueError, match="layer_types.*sliding_attention.*attn_logit_softcapping=50.0"):
+        enable(gemma)
+    mistral.config.sliding_window = None  # no window: plain causal attention, which the op computes
+    ids = torch.randint(0, 64, (6,))
+    expected = hf_logits(mistral, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(TokenModel(enable(mistral))(ids, torch.arange(6)), expected, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="takes no attention_mask"):
+            mistral(input_ids=ids[None], attention_mask=torch.ones(1, 6, dtype=torch.long), use_cache=False)

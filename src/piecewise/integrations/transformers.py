@@ -53,8 +53,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     return out.transpose(0, 1)
 
 
+_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention interface: q [1, Hq, T, D], k / v [1, Hkv, T, D] → ([1, T, Hq, D], None)."""
+    used = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+    if used or not getattr(module, "is_causal", True):
+        raise ValueError(
+            f"{type(module).__name__} asks for {', '.join(used) or 'non-causal attention'}, which the piecewise "
+            f"attention does not compute: leave this model's attn_implementation as it was"
+        )
     if query.shape[0] != 1:
         raise ValueError(
             f"the piecewise attention takes one sequence (batch 1), got a batch of {query.shape[0]}: call the "
@@ -83,7 +92,29 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def _no_mask(*args, **kwargs):
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError(
+            "the piecewise attention takes no attention_mask (one unpadded sequence, causal): call the model "
+            "through piecewise.integrations.transformers.TokenModel"
+        )
     return None  # the attention op is causal by itself
+
+
+def _check_config(config) -> None:
+    """Refuse attention variants the piecewise attention would get wrong, before any forward."""
+    problems = []
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention"}:
+        problems.append(f"layer_types {sorted(layer_types)} (only full causal attention is supported)")
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        problems.append(
+            f"sliding_window={config.sliding_window} (set config.sliding_window = None if no sequence is longer, "
+            f"where the window has no effect)"
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        problems.append(f"attn_logit_softcapping={config.attn_logit_softcapping}")
+    if problems:
+        raise ValueError(f"piecewise.integrations.transformers cannot run this model's attention: {'; '.join(problems)}")
 
 
 def enable(model: nn.Module, *, experts: bool = True) -> nn.Module:
@@ -93,6 +124,7 @@ def enable(model: nn.Module, *, experts: bool = True) -> nn.Module:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    _check_config(model.config)
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, _no_mask)
     model.config._attn_implementation = NAME
