@@ -176,3 +176,11 @@ def test_attention_the_piecewise_op_would_get_wrong_is_refused():
         torch.testing.assert_close(TokenModel(enable(mistral))(ids, torch.arange(6)), expected, rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match="takes no attention_mask"):
             mistral(input_ids=ids[None], attention_mask=torch.ones(1, 6, dtype=torch.long), use_cache=False)
+
+
+def test_experts_of_another_activation_are_refused():
+    model = enable(glm_moe())
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="activation 'gelu'.*experts=False"):
+        with torch.no_grad():
+            TokenModel(model)(torch.randint(0, 256, (4,)), torch.arange(4))

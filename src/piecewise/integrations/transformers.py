@@ -83,10 +83,13 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     nvfp4 = getattr(self, "nvfp4", None)
     if nvfp4 is not None:
         return nvfp4(hidden_states, top_k_index, top_k_weights)
-    if getattr(self, "has_bias", False) or not getattr(self, "has_gate", True) or getattr(self, "is_transposed", False):
+    act = getattr(getattr(self, "config", None), "hidden_act", "silu")
+    if (getattr(self, "has_bias", False) or not getattr(self, "has_gate", True) or getattr(self, "is_transposed", False)
+            or not getattr(self, "is_concatenated", True) or act not in ("silu", "swish")):
         raise ValueError(
-            f"{type(self).__name__}: the piecewise experts take stacked gate_up_proj [E, 2I, H] and down_proj "
-            f"[E, H, I] without bias; this model's layout differs: leave its experts_implementation as it was"
+            f"{type(self).__name__}: the piecewise experts take stacked gate_up_proj [E, 2I, H] (gate, then up) and "
+            f"down_proj [E, H, I], without bias, with SiLU; this model's experts differ (activation {act!r}): "
+            f"enable(model, experts=False) keeps transformers' own"
         )
     return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
