@@ -101,12 +101,17 @@ def main() -> int:
 
         variants = (("piecewise, transformers' grouped_mm experts in the graphs", False, False),
                     ("piecewise, experts between pieces", True, False),
-                    ("piecewise, experts between pieces, NVFP4 weights", True, True))
+                    ("piecewise, NVFP4 weights, experts between pieces", True, "split"),
+                    ("piecewise, NVFP4 weights, grouped experts in the graphs", True, "grouped"))
         for name, split_experts, nvfp4 in variants:
+            if nvfp4 == "grouped":  # the model's experts are NVFP4 already (the variant before): regroup them
+                for module in model.modules():
+                    if getattr(module, "nvfp4", None) is not None:
+                        module.nvfp4.grouped = True
             if not split_experts:
                 model.config._experts_implementation = "grouped_mm"
             token_model = TokenModel(enable(model, experts=split_experts))
-            if nvfp4:
+            if nvfp4 == "split":
                 quantize(model)
             kv_cache = token_model.make_kv_cache(max_seq_len=prompt_len + 1)
             runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=max(8, prompt_len)))

@@ -184,3 +184,17 @@ def test_experts_of_another_activation_are_refused():
     with pytest.raises(ValueError, match="activation 'gelu'.*experts=False"):
         with torch.no_grad():
             TokenModel(model)(torch.randint(0, 256, (4,)), torch.arange(4))
+
+
+def test_grouped_nvfp4_experts_leave_only_attention_as_cuts():
+    from piecewise.integrations.transformers import quantize
+
+    model = enable(glm_moe())
+    quantize(model, grouped_experts=True)
+    ids = torch.randint(0, 256, (9,))
+    with torch.no_grad():
+        expected = TokenModel(model)(ids, torch.arange(9))
+    runner = piecewise.compile(TokenModel(model), piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        torch.testing.assert_close(runner(ids, torch.arange(9)), expected, rtol=1e-5, atol=1e-5)
+    assert runner.stats["pieces"] == 3 + 1

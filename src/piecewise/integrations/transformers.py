@@ -139,10 +139,11 @@ def enable(model: nn.Module, *, experts: bool = True) -> nn.Module:
     return model
 
 
-def quantize(model: nn.Module) -> list[str]:
+def quantize(model: nn.Module, *, grouped_experts: bool = False) -> list[str]:
     """NVFP4 weights for an ``enable``d model, in place: every ``nn.Linear`` but the output head
     (``quantize_linears``) and every stacked-experts module (``NVFP4Experts``, its bf16 ``gate_up_proj`` /
-    ``down_proj`` dropped). Returns the qualified names converted."""
+    ``down_proj`` dropped; ``grouped_experts``: the static-shape grouped op, captured with the pieces, instead
+    of the splitting op). Returns the qualified names converted."""
     if getattr(model.config, "_experts_implementation", None) != NAME and any(
         hasattr(m, "gate_up_proj") for m in model.modules()
     ):
@@ -150,7 +151,8 @@ def quantize(model: nn.Module) -> list[str]:
     converted = quantize_linears(model)
     for name, module in model.named_modules():
         if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
-            module.nvfp4 = NVFP4Experts(SimpleNamespace(gate_up=module.gate_up_proj, down=module.down_proj))
+            stacked = SimpleNamespace(gate_up=module.gate_up_proj, down=module.down_proj)
+            module.nvfp4 = NVFP4Experts(stacked, grouped=grouped_experts)
             del module.gate_up_proj, module.down_proj
             converted.append(name)
     return converted

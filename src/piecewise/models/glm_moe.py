@@ -16,14 +16,16 @@ q/k/v bias), not GLM's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.nvfp4 import global_scale_for, linear, quantize
+from ..kernels.nvfp4 import global_scale_for, quantize
+from ..kernels.nvfp4.moe import moe_nvfp4_reference
+from ..kernels.nvfp4.ops import moe_op
+from ..kernels.routing import routed_sum
 from ..opaque import opaque_op
 from .attention import attention
 from .llama import DecoderLayer, LlamaConfig, TinyLlama
@@ -71,25 +73,6 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor, config: GlmMoeCon
     return weights * config.routed_scaling_factor, ids
 
 
-def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-              expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Σ_j weights[t, j] · expert(ids[t, j], x[t]), one batched call per expert that got tokens."""
-    top_k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the host sync: why this is a splitting op
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    flat_weights = weights.reshape(-1)
-    start = 0
-    for index, count in enumerate(counts):
-        if count:
-            rows = order[start : start + count]
-            tokens = rows // top_k
-            out.index_add_(0, tokens, expert(index, x[tokens]).float() * flat_weights[rows, None])
-            start += count
-    return out.to(x.dtype)
-
-
 def _experts_fake(x, ids, weights, *rest):
     return torch.empty_like(x)
 
@@ -103,7 +86,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
         gate, up = F.linear(rows, gate_up[index]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, down[index])
 
-    return _dispatch(x, ids, weights, gate_up.shape[0], expert)
+    return routed_sum(x, ids, weights, gate_up.shape[0], expert)
 
 
 @opaque_op("piecewise_examples::moe_experts_nvfp4", fake=_experts_fake, split=True)
@@ -111,12 +94,7 @@ def moe_experts_nvfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       gate_up_scale: torch.Tensor, gate_up_scale_2: torch.Tensor, down: torch.Tensor,
                       down_scale: torch.Tensor, down_scale_2: torch.Tensor) -> torch.Tensor:
     """``moe_experts`` with NVFP4 weights: packed [E, N, K/2], E4M3 scales [E, N, K/16], decode scales [E]."""
-
-    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(rows, gate_up[index], gate_up_scale[index], gate_up_scale_2[index]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, down[index], down_scale[index], down_scale_2[index])
-
-    return _dispatch(x, ids, weights, gate_up.shape[0], expert)
+    return moe_nvfp4_reference(x, ids, weights, gate_up, gate_up_scale, gate_up_scale_2, down, down_scale, down_scale_2)
 
 
 class Experts(nn.Module):
@@ -134,10 +112,15 @@ class Experts(nn.Module):
 
 class NVFP4Experts(nn.Module):
     """``Experts`` with each expert's matrices quantized to NVFP4 (per-expert global scale); built from
-    anything holding stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] tensors."""
+    anything holding stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] tensors.
 
-    def __init__(self, experts: Experts):
+    ``grouped=False``: a splitting op running the per-expert loop (eager between pieces, any device).
+    ``grouped=True``: ``piecewise_nvfp4::moe``, static shapes and grouped kernels on CUDA, captured inside the
+    pieces (on CPU the same loop)."""
+
+    def __init__(self, experts: Experts, grouped: bool = False):
         super().__init__()
+        self.grouped = grouped
         for name, stacked in (("gate_up", experts.gate_up), ("down", experts.down)):
             stacked = stacked.detach()
             parts = [quantize(w, scale) for w, scale in ((w, global_scale_for(w)) for w in stacked)]
@@ -146,8 +129,9 @@ class NVFP4Experts(nn.Module):
             self.register_buffer(f"{name}_scale_2", torch.stack([1 / global_scale_for(w) for w in stacked]).float())
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return moe_experts_nvfp4(x, ids, weights, self.gate_up, self.gate_up_scale, self.gate_up_scale_2,
-                                 self.down, self.down_scale, self.down_scale_2)
+        op = moe_op if self.grouped else moe_experts_nvfp4
+        return op(x, ids, weights, self.gate_up, self.gate_up_scale, self.gate_up_scale_2,
+                  self.down, self.down_scale, self.down_scale_2)
 
 
 class GlmMoE(nn.Module):
@@ -193,13 +177,13 @@ class GlmMoeModel(TinyLlama):
             self.layers[index] = MoeDecoderLayer(config, index, attend)
 
 
-def quantize_experts(model: nn.Module) -> int:
-    """Replace every ``Experts`` of ``model`` by its ``NVFP4Experts``, in place; returns how many. The other
-    linear layers convert with ``quantize_linears(model, skip=("lm_head", "router"))``."""
+def quantize_experts(model: nn.Module, *, grouped: bool = False) -> int:
+    """Replace every ``Experts`` of ``model`` by its ``NVFP4Experts`` (``grouped``: see there), in place;
+    returns how many. The other linear layers convert with ``quantize_linears(model, skip=("lm_head", "router"))``."""
     count = 0
     for module in list(model.modules()):
         if isinstance(module, GlmMoE) and type(module.experts) is Experts:
-            module.experts = NVFP4Experts(module.experts)
+            module.experts = NVFP4Experts(module.experts, grouped=grouped)
             count += 1
     return count
 
