@@ -122,6 +122,8 @@ def grouped_w4a16(x, weight, scales, decode, rows, block_expert, pairs, x_row_di
 
 def moe_nvfp4_cuda(x, ids, weights, gate_up, gate_up_scale, gate_up_scale_2, down, down_scale, down_scale_2):
     """The CUDA path of ``moe_nvfp4``: two grouped launches around the SwiGLU, no host sync."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"NVFP4 experts on CUDA take bf16 or fp16 activations (W4A16), got {x.dtype}")
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     rows, block_expert = align(ids, gate_up.shape[0])
