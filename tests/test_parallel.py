@@ -122,3 +122,48 @@ def test_tensor_parallel_needs_an_initialised_process_group():
     model, _ = example(**CONFIG)
     with pytest.raises(RuntimeError, match="init_process_group"):
         tensor_parallel(model, {"layers.*.down": "row"})
+
+
+def _transformers_worker(rank: int, init_file: str) -> None:
+    import transformers
+
+    from piecewise.integrations.transformers import TokenModel, enable
+    from piecewise.integrations.transformers import tensor_parallel as hf_tensor_parallel
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        config = transformers.Glm4MoeConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True)
+        model = transformers.Glm4MoeForCausalLM(config).eval()
+        for module in model.modules():
+            if hasattr(module, "gate_up_proj"):
+                torch.nn.init.normal_(module.gate_up_proj, std=0.1)
+                torch.nn.init.normal_(module.down_proj, std=0.1)
+        ids = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected = model(input_ids=ids[None], use_cache=False).logits[0]
+        token_model = TokenModel(enable(model))
+        sharded = hf_tensor_parallel(model)
+        assert "model.layers.1.mlp.shared_experts.down_proj" in sharded and "model.layers.0.self_attn.q_proj" in sharded
+        cache = token_model.make_kv_cache(max_seq_len=16)
+        assert cache.shape[3] == 1  # this rank's KV head
+        runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8))
+        with torch.no_grad():
+            prompt = runner(ids[:6], torch.arange(6), cache)
+            assert rel_error(prompt, expected[:6]) <= 1e-5
+            for position in range(6, 9):
+                step = runner(ids[position : position + 1], torch.tensor([position]), cache)
+                assert rel_error(step[0], expected[position]) <= 1e-5, position
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_transformers_glm_moe_on_two_ranks_equals_the_whole_model():
+    """Attention and MLPs (dense and shared experts) sharded, routed experts whole; prefill and decode steps."""
+    pytest.importorskip("transformers")
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_transformers_worker, args=(os.path.join(directory, "init"),), nprocs=2, join=True)

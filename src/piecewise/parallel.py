@@ -84,7 +84,9 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduce = all_reduce_in_graph if self.in_graph else all_reduce
-        out = reduce(self.layer(x), self.group)
+        partial = self.layer(x)
+        # Token-major for the splitting op ([1, T, H] in transformers models → [T, H]): piecewise pads dim 0.
+        out = reduce(partial.reshape(-1, partial.shape[-1]), self.group).view(partial.shape)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:

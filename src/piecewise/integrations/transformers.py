@@ -158,6 +158,34 @@ def quantize(model: nn.Module, *, grouped_experts: bool = False) -> list[str]:
     return converted
 
 
+TENSOR_PARALLEL_PLAN = {
+    "*.q_proj": "column", "*.k_proj": "column", "*.v_proj": "column", "*.o_proj": "row",
+    "*.gate_proj": "column", "*.up_proj": "column", "*.down_proj": "row",
+}
+"""Llama-style layer names: attention by heads, the MLPs (dense and shared experts) by their columns."""
+
+
+def tensor_parallel(model: nn.Module, group=None, *, capture_all_reduce: bool = False) -> list[str]:
+    """Shard an ``enable``d Llama-style model over ``group`` (``piecewise.parallel.tensor_parallel`` with
+    ``TENSOR_PARALLEL_PLAN``). transformers' attention reshapes by ``head_dim``, so each rank simply runs its
+    share of the heads; ``TokenModel.make_kv_cache`` then sizes the cache for this rank's KV heads. Stacked
+    routed experts stay whole on every rank. Returns the qualified names sharded."""
+    import torch.distributed as dist
+
+    from ..parallel import tensor_parallel as shard
+
+    c = model.config
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    sizes = {"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+             "intermediate_size": getattr(c, "intermediate_size", world)}
+    for field, size in sizes.items():
+        if size % world:
+            raise ValueError(f"config.{field}={size} does not split over {world} ranks: use a world size that divides it")
+    sharded = shard(model, TENSOR_PARALLEL_PLAN, group, capture_all_reduce=capture_all_reduce)
+    model.piecewise_world_size = world
+    return sharded
+
+
 class TokenModel(nn.Module):
     """``forward(input_ids [T], position_ids [T], kv_cache=None) → logits [T, vocab]`` of one sequence."""
 
@@ -174,6 +202,7 @@ class TokenModel(nn.Module):
         """A zeroed cache [layers, 2, max_seq_len, kv heads, head_dim] for ``forward``'s ``kv_cache``."""
         c = self.model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = c.num_key_value_heads // getattr(self.model, "piecewise_world_size", 1)  # this rank's
         weight = next(self.model.parameters())
-        return torch.zeros(c.num_hidden_layers, 2, max_seq_len, c.num_key_value_heads, head_dim,
+        return torch.zeros(c.num_hidden_layers, 2, max_seq_len, kv_heads, head_dim,
                            device=device or weight.device, dtype=dtype or weight.dtype)
