@@ -56,3 +56,42 @@ def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
 def test_two_gpus_equal_the_whole_model(nvfp4, in_graph):
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(_worker, args=(os.path.join(directory, "init"), nvfp4, in_graph), nprocs=2, join=True)
+
+
+def _transformers_worker(rank: int, init_file: str) -> None:
+    import transformers
+
+    from piecewise.integrations.transformers import TokenModel, enable
+    from piecewise.integrations.transformers import tensor_parallel as hf_tensor_parallel
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    try:
+        torch.manual_seed(0)
+        config = transformers.Glm4MoeConfig(
+            vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, n_routed_experts=16, num_experts_per_tok=4,
+            n_group=4, topk_group=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True)
+        model = transformers.Glm4MoeForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+        ids = torch.randint(0, 512, (12,), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        with torch.no_grad():
+            expected = model(input_ids=ids[None], use_cache=False).logits[0]
+        token_model = TokenModel(enable(model))
+        hf_tensor_parallel(model, capture_all_reduce=True)
+        cache = token_model.make_kv_cache(max_seq_len=32)
+        runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+        with torch.no_grad():
+            assert rel_error(runner(ids[:8], torch.arange(8, device="cuda"), cache), expected[:8]) <= 2e-2
+            for position in range(8, 12):
+                step = runner(ids[position : position + 1], torch.tensor([position], device="cuda"), cache)
+                assert rel_error(step[0], expected[position]) <= 2e-2, (rank, position)
+        assert runner.stats["replays"] > 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_transformers_glm_moe_on_two_gpus_equals_the_whole_model():
+    pytest.importorskip("transformers")
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_transformers_worker, args=(os.path.join(directory, "init"),), nprocs=2, join=True)
