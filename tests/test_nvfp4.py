@@ -498,6 +498,7 @@ def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_til
 def test_wgmma_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, warps, steps):
     """The Gluon wgmma kernel builds for sm_90: the decoded weight is wgmma's register operand A (a layout that
     is not a register renaming of the loaded words fails the compile)."""
+    pytest.importorskip("triton")
     from piecewise.kernels.nvfp4 import gluon_gemv
 
     if not gluon_gemv.WGMMA_AVAILABLE:

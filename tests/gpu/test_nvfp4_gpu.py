@@ -6,6 +6,8 @@ import torch
 import piecewise
 from piecewise.kernels.nvfp4 import NVFP4Linear, dequantize, global_scale_for, linear, quantize
 from piecewise.kernels.nvfp4 import reference, swizzle_scales
+
+pytest.importorskip("triton")  # the kernel modules below need it (a CPU machine may not have it)
 from piecewise.kernels.nvfp4.gluon_gemv import AVAILABLE as GLUON, WGMMA_AVAILABLE, GemvConfig, WgmmaConfig
 from piecewise.kernels.nvfp4.gluon_gemv import pick_gemv_config, pick_wgmma_config
 from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_config, select_config, sm_count, w4a16_linear
