@@ -124,10 +124,10 @@ def test_tensor_parallel_needs_an_initialised_process_group():
         tensor_parallel(model, {"layers.*.down": "row"})
 
 
-def _transformers_worker(rank: int, init_file: str) -> None:
+def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
     import transformers
 
-    from piecewise.integrations.transformers import TokenModel, enable
+    from piecewise.integrations.transformers import TokenModel, enable, quantize
     from piecewise.integrations.transformers import tensor_parallel as hf_tensor_parallel
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -144,11 +144,17 @@ def _transformers_worker(rank: int, init_file: str) -> None:
                 torch.nn.init.normal_(module.gate_up_proj, std=0.1)
                 torch.nn.init.normal_(module.down_proj, std=0.1)
         ids = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            expected = model(input_ids=ids[None], use_cache=False).logits[0]
         token_model = TokenModel(enable(model))
+        if nvfp4:
+            quantize(model, grouped_experts=True)  # before sharding: the shards partition the same bytes
+        with torch.no_grad():
+            expected = token_model(ids, torch.arange(9))
         sharded = hf_tensor_parallel(model)
         assert "model.layers.1.mlp.shared_experts.down_proj" in sharded and "model.layers.0.self_attn.q_proj" in sharded
+        assert "model.layers.1.mlp.experts" in sharded
+        experts = model.model.layers[1].mlp.experts
+        stacked = experts.nvfp4.down if nvfp4 else experts.down_proj
+        assert stacked.shape[-1] == (16 // 2 if nvfp4 else 16)  # half of the 32 intermediate columns (packed)
         cache = token_model.make_kv_cache(max_seq_len=16)
         assert cache.shape[3] == 1  # this rank's KV head
         runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8))
@@ -162,8 +168,9 @@ def _transformers_worker(rank: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-def test_a_transformers_glm_moe_on_two_ranks_equals_the_whole_model():
-    """Attention and MLPs (dense and shared experts) sharded, routed experts whole; prefill and decode steps."""
+@pytest.mark.parametrize("nvfp4", [False, True], ids=["fp32", "nvfp4-grouped-experts"])
+def test_a_transformers_glm_moe_on_two_ranks_equals_the_whole_model(nvfp4):
+    """Attention, MLPs, shared and routed experts sharded; prefill and decode steps equal the whole model."""
     pytest.importorskip("transformers")
     with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_transformers_worker, args=(os.path.join(directory, "init"),), nprocs=2, join=True)
+        mp.spawn(_transformers_worker, args=(os.path.join(directory, "init"), nvfp4), nprocs=2, join=True)

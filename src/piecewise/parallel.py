@@ -111,6 +111,20 @@ def _column_rows(out_features: int, sections: tuple[int, ...] | None, rank: int,
     return torch.cat(rows)
 
 
+def expert_rows(stacked: torch.Tensor, sections: tuple[int, ...], rank: int, world: int, name: str) -> torch.Tensor:
+    """This rank's rows (dim 1) of a stack of per-expert matrices [E, N, ...], section by section (gate, up)."""
+    rows = _column_rows(stacked.shape[1], sections, rank, world, name).to(stacked.device)
+    if stacked.dtype == torch.float8_e4m3fn:  # no float8 indexing
+        return stacked.view(torch.uint8)[:, rows].view(torch.float8_e4m3fn).contiguous()
+    return stacked[:, rows].contiguous()
+
+
+def expert_columns(stacked: torch.Tensor, rank: int, world: int, name: str) -> torch.Tensor:
+    """This rank's share of the last dimension of a stack of per-expert matrices [E, N, C]."""
+    share = _pieces(stacked.shape[-1], world, f"{name}: the columns")
+    return stacked[..., rank * share : (rank + 1) * share].contiguous()
+
+
 def shard_layer(
     layer: nn.Module, style: Column | str, rank: int, world: int, group: str, name: str = "layer", in_graph: bool = False
 ) -> nn.Module:

@@ -35,6 +35,7 @@ from ..kernels.nvfp4 import quantize_linears
 from ..models.attention import attention as cached_attention
 from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
+from ..parallel import all_reduce, all_reduce_in_graph
 
 NAME = "piecewise"
 
@@ -82,7 +83,16 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts interface for stacked SwiGLU experts: hidden_states [T, H] → [T, H]."""
     nvfp4 = getattr(self, "nvfp4", None)
     if nvfp4 is not None:
-        return nvfp4(hidden_states, top_k_index, top_k_weights)
+        out = nvfp4(hidden_states, top_k_index, top_k_weights)
+    else:
+        out = _dense_experts(self, hidden_states, top_k_index, top_k_weights)
+    reduce = getattr(self, "piecewise_reduce", None)  # (group, in_graph) when tensor_parallel sharded the experts
+    if reduce is not None:
+        out = (all_reduce_in_graph if reduce[1] else all_reduce)(out, reduce[0])
+    return out
+
+
+def _dense_experts(self, hidden_states, top_k_index, top_k_weights):
     act = getattr(getattr(self, "config", None), "hidden_act", "silu")
     if (getattr(self, "has_bias", False) or not getattr(self, "has_gate", True) or getattr(self, "is_transposed", False)
             or not getattr(self, "is_concatenated", True) or act not in ("silu", "swish")):
@@ -169,9 +179,12 @@ def tensor_parallel(model: nn.Module, group=None, *, capture_all_reduce: bool = 
     """Shard an ``enable``d Llama-style model over ``group`` (``piecewise.parallel.tensor_parallel`` with
     ``TENSOR_PARALLEL_PLAN``). transformers' attention reshapes by ``head_dim``, so each rank simply runs its
     share of the heads; ``TokenModel.make_kv_cache`` then sizes the cache for this rank's KV heads. Stacked
-    routed experts stay whole on every rank. Returns the qualified names sharded."""
+    routed experts (bf16 or NVFP4) keep their share of the intermediate dimension and their partial output is
+    all-reduced, when they run as piecewise's experts; with ``enable(model, experts=False)`` they stay whole on
+    every rank. Returns the qualified names sharded."""
     import torch.distributed as dist
 
+    from ..parallel import _group_name
     from ..parallel import tensor_parallel as shard
 
     c = model.config
@@ -182,8 +195,38 @@ def tensor_parallel(model: nn.Module, group=None, *, capture_all_reduce: bool = 
         if size % world:
             raise ValueError(f"config.{field}={size} does not split over {world} ranks: use a world size that divides it")
     sharded = shard(model, TENSOR_PARALLEL_PLAN, group, capture_all_reduce=capture_all_reduce)
+    group = group or dist.group.WORLD
+    rank, name = dist.get_rank(group), _group_name(group)
+    ours = getattr(c, "_experts_implementation", None) == NAME  # transformers' own experts would not all-reduce
+    for qualified, module in model.named_modules():
+        if ours and (hasattr(module, "gate_up_proj") or getattr(module, "nvfp4", None) is not None):
+            _shard_experts(module, c.moe_intermediate_size, rank, world, qualified)
+            module.piecewise_reduce = (name, capture_all_reduce)
+            sharded.append(qualified)
     model.piecewise_world_size = world
     return sharded
+
+
+def _shard_experts(module: nn.Module, inter: int, rank: int, world: int, name: str) -> None:
+    """The stacked experts' share of the intermediate dimension: gate and up rows, down columns."""
+    from ..kernels.nvfp4.reference import BLOCK
+    from ..parallel import expert_columns, expert_rows
+
+    q = getattr(module, "nvfp4", None)
+    if q is None:
+        module.gate_up_proj = nn.Parameter(expert_rows(module.gate_up_proj.detach(), (inter, inter), rank, world, name),
+                                           requires_grad=False)
+        module.down_proj = nn.Parameter(expert_columns(module.down_proj.detach(), rank, world, name), requires_grad=False)
+        return
+    if (inter // world) % BLOCK:
+        raise ValueError(
+            f"{name}: each of {world} ranks would hold {inter // world} intermediate columns of NVFP4 experts, not a "
+            f"whole number of {BLOCK}-input scale blocks: pick a world size that gives multiples of {BLOCK}"
+        )
+    q.gate_up = expert_rows(q.gate_up, (inter, inter), rank, world, name)
+    q.gate_up_scale = expert_rows(q.gate_up_scale, (inter, inter), rank, world, name)
+    q.down = expert_columns(q.down, rank, world, name)
+    q.down_scale = expert_columns(q.down_scale.view(torch.uint8), rank, world, name).view(torch.float8_e4m3fn)
 
 
 class TokenModel(nn.Module):
