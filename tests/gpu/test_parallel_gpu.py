@@ -58,10 +58,10 @@ def test_two_gpus_equal_the_whole_model(nvfp4, in_graph):
         mp.spawn(_worker, args=(os.path.join(directory, "init"), nvfp4, in_graph), nprocs=2, join=True)
 
 
-def _transformers_worker(rank: int, init_file: str) -> None:
+def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
     import transformers
 
-    from piecewise.integrations.transformers import TokenModel, enable
+    from piecewise.integrations.transformers import TokenModel, enable, quantize
     from piecewise.integrations.transformers import tensor_parallel as hf_tensor_parallel
 
     torch.cuda.set_device(rank)
@@ -75,9 +75,11 @@ def _transformers_worker(rank: int, init_file: str) -> None:
             n_group=4, topk_group=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True)
         model = transformers.Glm4MoeForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
         ids = torch.randint(0, 512, (12,), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-        with torch.no_grad():
-            expected = model(input_ids=ids[None], use_cache=False).logits[0]
         token_model = TokenModel(enable(model))
+        if nvfp4:
+            quantize(model, grouped_experts=True)
+        with torch.no_grad():
+            expected = token_model(ids, torch.arange(12, device="cuda"))
         hf_tensor_parallel(model, capture_all_reduce=True)
         cache = token_model.make_kv_cache(max_seq_len=32)
         runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
@@ -91,7 +93,8 @@ def _transformers_worker(rank: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-def test_a_transformers_glm_moe_on_two_gpus_equals_the_whole_model():
+@pytest.mark.parametrize("nvfp4", [False, True], ids=["bf16", "nvfp4-grouped-experts"])
+def test_a_transformers_glm_moe_on_two_gpus_equals_the_whole_model(nvfp4):
     pytest.importorskip("transformers")
     with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_transformers_worker, args=(os.path.join(directory, "init"),), nprocs=2, join=True)
+        mp.spawn(_transformers_worker, args=(os.path.join(directory, "init"), nvfp4), nprocs=2, join=True)
