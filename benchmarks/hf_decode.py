@@ -114,8 +114,9 @@ def main() -> int:
             if nvfp4 == "split":
                 quantize(model)
             kv_cache = token_model.make_kv_cache(max_seq_len=prompt_len + 1)
-            runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=max(8, prompt_len)))
-            runner(ids[:prompt_len], positions[:prompt_len], kv_cache)  # prefill (captures every size)
+            # decode sizes only: the prompt (above max_tokens) runs the compiled pieces without graphs
+            runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=64))
+            runner(ids[:prompt_len], positions[:prompt_len], kv_cache)  # prefill (and capture of 1..64 tokens)
 
             def step(runner=runner, kv_cache=kv_cache):
                 return runner(ids[prompt_len:], positions[prompt_len:], kv_cache)
