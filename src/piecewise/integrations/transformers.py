@@ -20,7 +20,8 @@ real tokens: causal over the tokens of the call without a KV cache, or, given on
 call's keys and values at ``position_ids`` and attends causally over the cache (``models.attention``).
 The experts run through ``piecewise.models.glm_moe.moe_experts``, also a splitting op (their loop over the
 experts that got tokens is data dependent). ``TokenModel`` gives the model the token-major call piecewise pads:
-``input_ids`` and ``position_ids`` of shape [T]. ``quantize`` gives an enabled model NVFP4 weights (W4A16).
+``input_ids`` and ``position_ids`` of shape [T]. ``quantize`` gives an enabled model NVFP4 weights (W4A16);
+``tensor_parallel`` shards it over a process group, routed experts included.
 """
 
 from __future__ import annotations
