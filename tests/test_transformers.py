@@ -198,3 +198,30 @@ def test_grouped_nvfp4_experts_leave_only_attention_as_cuts():
     with torch.no_grad():
         torch.testing.assert_close(runner(ids, torch.arange(9)), expected, rtol=1e-5, atol=1e-5)
     assert runner.stats["pieces"] == 3 + 1
+
+
+def test_several_sequences_prefill_and_decode_together_through_slots():
+    """Three prompts of different lengths prefilled one by one, then three decode steps with all three
+    sequences in each call (a flattened batch): every token's logits equal its own sequence's whole forward."""
+    model = glm_moe()
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 256, (length + 3,), generator=generator) for length in (5, 2, 7)]
+    expected = [hf_logits(model, ids) for ids in sequences]
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=16, sequences=3)
+    assert cache.shape == (3, 2, 3, 16, 2, 16)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        for slot, ids in enumerate(sequences):
+            length = len(ids) - 3
+            out = runner(ids[:length], torch.arange(length), cache, torch.full((length,), slot))
+            torch.testing.assert_close(out, expected[slot][:length], rtol=1e-5, atol=1e-5)
+        for step in range(3):
+            positions = torch.tensor([len(ids) - 3 + step for ids in sequences])
+            tokens = torch.stack([ids[p] for ids, p in zip(sequences, positions)])
+            out = runner(tokens, positions, cache, torch.arange(3))
+            for slot in range(3):
+                torch.testing.assert_close(out[slot], expected[slot][positions[slot]], rtol=1e-5, atol=1e-5)
+    assert runner.stats["traces"] == 1
+    with pytest.raises(ValueError, match="multi-sequence kv_cache"):
+        token_model(tokens, positions, token_model.make_kv_cache(16), torch.arange(3))

@@ -71,3 +71,24 @@ def test_grouped_mm_experts_captured_in_the_graphs():
         out = runner(ids, torch.arange(7, device="cuda"))  # a replay
         assert rel_error(out, expected) <= 2e-2
     assert runner.stats["pieces"] == 4 and runner.stats["replays"] > 0
+
+
+def test_sequences_decode_together_through_slots_with_captured_graphs():
+    model = glm_moe()
+    sequences = [torch.randint(0, 512, (length + 2,), device="cuda") for length in (6, 3, 9, 1)]
+    with torch.no_grad():
+        expected = [model(input_ids=ids[None], use_cache=False).logits[0] for ids in sequences]
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=32, sequences=4)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        for slot, ids in enumerate(sequences):
+            length = len(ids) - 2
+            runner(ids[:length], torch.arange(length, device="cuda"), cache, torch.full((length,), slot, device="cuda"))
+        for step in range(2):
+            positions = torch.tensor([len(ids) - 2 + step for ids in sequences], device="cuda")
+            tokens = torch.stack([ids[p] for ids, p in zip(sequences, positions)])
+            out = runner(tokens, positions, cache, torch.arange(4, device="cuda"))
+            for slot in range(4):
+                assert rel_error(out[slot], expected[slot][positions[slot]]) <= 2e-2, (step, slot)
+    assert runner.stats["replays"] > 0

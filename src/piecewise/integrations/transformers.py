@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.nvfp4 import quantize_linears
+from ..models.attention import attend_over_cache
 from ..models.attention import attention as cached_attention
 from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
@@ -53,6 +54,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     values = v.repeat_interleave(group, dim=1).transpose(0, 1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True, scale=scaling)
     return out.transpose(0, 1)
+
+
+def _slot_attention_fake(q, k, v, positions, slots, kv_cache, layer, scale):
+    return q.new_empty(q.shape)
+
+
+@opaque_op("piecewise_hf::slot_attention", fake=_slot_attention_fake, mutates_args=("kv_cache",), split=True)
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   kv_cache: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """Tokens of several sequences, token-major (q [T, Hq, D], k / v [T, Hkv, D]): token t is at ``positions[t]``
+    of sequence ``slots[t]``. Its keys and values go to ``kv_cache[layer, :, slots[t], positions[t]]`` (cache
+    [layers, 2, sequences, max_seq, Hkv, D]); then each sequence's tokens attend causally over its cache."""
+    cache = kv_cache[layer]
+    cache[0][slots, positions] = k
+    cache[1][slots, positions] = v
+    out = torch.empty_like(q)
+    for slot in torch.unique(slots).tolist():  # eager (a splitting op): one attention per sequence in the call
+        tokens = (slots == slot).nonzero().squeeze(1)
+        attended = attend_over_cache(q[tokens], cache[0][slot], cache[1][slot], positions[tokens], scale)
+        out[tokens] = attended.view(len(tokens), *q.shape[1:])
+    return out
 
 
 _UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
@@ -76,7 +98,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     kv_cache = kwargs.get("piecewise_kv_cache")
     if kv_cache is None:
         return causal_attention(q, k, v, scale).unsqueeze(0), None
-    out = cached_attention(q, k, v, kwargs["position_ids"][0], kv_cache, module.layer_idx, scale)
+    positions = kwargs["position_ids"][0]
+    slots = kwargs.get("piecewise_slots")
+    if slots is not None:
+        return slot_attention(q, k, v, positions, slots, kv_cache, module.layer_idx, scale).unsqueeze(0), None
+    out = cached_attention(q, k, v, positions, kv_cache, module.layer_idx, scale)
     return out.view(q.shape).unsqueeze(0), None
 
 
@@ -231,22 +257,33 @@ def _shard_experts(module: nn.Module, inter: int, rank: int, world: int, name: s
 
 
 class TokenModel(nn.Module):
-    """``forward(input_ids [T], position_ids [T], kv_cache=None) → logits [T, vocab]`` of one sequence."""
+    """``forward(input_ids [T], position_ids [T], kv_cache=None, slots=None) → logits [T, vocab]``.
+
+    Without ``slots`` the tokens are one sequence (cache [layers, 2, max_seq, kv heads, head_dim], or none).
+    With ``slots`` [T] each token belongs to sequence ``slots[t]`` of a multi-sequence cache
+    [layers, 2, sequences, max_seq, kv heads, head_dim]: prefill several prompts and decode many sequences in
+    one call (a flattened batch, as serving engines run it)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
         extra = {} if kv_cache is None else {"piecewise_kv_cache": kv_cache}
+        if slots is not None:
+            if kv_cache is None or kv_cache.dim() != 6:
+                raise ValueError("slots need a multi-sequence kv_cache: make_kv_cache(max_seq_len, sequences=N)")
+            extra["piecewise_slots"] = slots
         out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **extra)
         return out.logits[0]
 
-    def make_kv_cache(self, max_seq_len: int, device=None, dtype=None) -> torch.Tensor:
-        """A zeroed cache [layers, 2, max_seq_len, kv heads, head_dim] for ``forward``'s ``kv_cache``."""
+    def make_kv_cache(self, max_seq_len: int, sequences: int | None = None, device=None, dtype=None) -> torch.Tensor:
+        """A zeroed cache for ``forward``'s ``kv_cache``: [layers, 2, max_seq_len, kv heads, head_dim] for one
+        sequence, or [layers, 2, sequences, max_seq_len, kv heads, head_dim] for ``slots``."""
         c = self.model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = c.num_key_value_heads // getattr(self.model, "piecewise_world_size", 1)  # this rank's
         weight = next(self.model.parameters())
-        return torch.zeros(c.num_hidden_layers, 2, max_seq_len, kv_heads, head_dim,
-                           device=device or weight.device, dtype=dtype or weight.dtype)
+        shape = (max_seq_len, kv_heads, head_dim) if sequences is None else (sequences, max_seq_len, kv_heads, head_dim)
+        return torch.zeros(c.num_hidden_layers, 2, *shape, device=device or weight.device, dtype=dtype or weight.dtype)
