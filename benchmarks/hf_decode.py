@@ -2,11 +2,12 @@
 eager with its DynamicCache, against piecewise (``integrations.transformers``: attention as a splitting op; the
 experts either captured in the graphs, transformers' grouped_mm, or a splitting op), with bf16 and NVFP4 weights.
 
-    PYTHONPATH=src python benchmarks/hf_decode.py --out DIR [--layers 4] [--context 512]
+    PYTHONPATH=src python benchmarks/hf_decode.py --out DIR [--layers 4] [--context 512] [--batch 1,8,32]
     PYTHONPATH=src python benchmarks/hf_decode.py --tiny          # a small config on any device (checks the script)
 
-Writes hf_decode.json and hf_decode.md: host-inclusive ms per one-token decode step (median of rounds), and
-each variant's rel. error against transformers' logits for the same step.
+Writes hf_decode.json and hf_decode.md: host-inclusive ms per decode step of B sequences (one token each; piecewise
+takes them as one flattened call with ``slots``), median of rounds, and each variant's rel. error against
+transformers' logits for the same tokens.
 """
 
 from __future__ import annotations
@@ -64,11 +65,21 @@ def rel_error(out, ref) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
+VARIANTS = (
+    # (name, experts between pieces, NVFP4: None / "split" / "grouped"); run in this order on one model
+    ("piecewise, transformers' grouped_mm experts in the graphs", False, None),
+    ("piecewise, experts between pieces", True, None),
+    ("piecewise, NVFP4 weights, experts between pieces", True, "split"),
+    ("piecewise, NVFP4 weights, grouped experts in the graphs", True, "grouped"),
+)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--context", type=int, default=512, help="prompt tokens before the timed decode step")
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence before the step")
+    parser.add_argument("--batch", default="1,8,32", help="sequences decoding together, comma-separated")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,35 +87,35 @@ def main() -> int:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rounds, iters = (3, 3) if args.tiny else (7, 20)
     config_values = TINY if args.tiny else AIR
-    prompt_len = min(args.context, 64) if args.tiny else args.context
-    ids = torch.randint(0, config_values["vocab_size"], (prompt_len + 1,), device=device)
-    positions = torch.arange(prompt_len + 1, device=device)
+    prompt_len = min(args.context, 32) if args.tiny else args.context
+    batches = [int(b) for b in args.batch.split(",")]
+    widest = max(batches)
+    ids = torch.randint(0, config_values["vocab_size"], (widest, prompt_len + 1), device=device)
+    positions = torch.full((widest,), prompt_len, device=device)
 
-    results, errors = {}, {}
+    results: dict[str, dict[int, float]] = {}
+    errors: dict[str, dict[int, float]] = {}
+    capture: dict[str, float] = {}
     with torch.no_grad():
         model = build(config_values, args.layers, device, dtype)
-        expected = model(input_ids=ids[None], use_cache=False).logits[0, -1]
+        expected = {b: model(input_ids=ids[:b], use_cache=False).logits[:, -1] for b in batches}
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[None, :prompt_len], past_key_values=cache, use_cache=True)
+        for b in batches:  # transformers eager, its own cache, b sequences of equal length
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids[:b, :prompt_len], past_key_values=cache, use_cache=True)
 
-        def hf_step():
-            out = model(input_ids=ids[None, prompt_len:], position_ids=positions[None, prompt_len:],
-                        past_key_values=cache, use_cache=True).logits
-            cache.crop(prompt_len)
-            return out
+            def hf_step(b=b, cache=cache):
+                out = model(input_ids=ids[:b, prompt_len:], past_key_values=cache, use_cache=True).logits
+                cache.crop(prompt_len)
+                return out
 
-        errors["transformers eager"] = rel_error(hf_step()[0, -1], expected)
-        results["transformers eager"] = timed(hf_step, sync, rounds, iters)
-        del cache
+            errors.setdefault("transformers eager", {})[b] = rel_error(hf_step()[:, -1], expected[b])
+            results.setdefault("transformers eager", {})[b] = timed(hf_step, sync, rounds, iters)
+            del cache
 
-        variants = (("piecewise, transformers' grouped_mm experts in the graphs", False, False),
-                    ("piecewise, experts between pieces", True, False),
-                    ("piecewise, NVFP4 weights, experts between pieces", True, "split"),
-                    ("piecewise, NVFP4 weights, grouped experts in the graphs", True, "grouped"))
-        for name, split_experts, nvfp4 in variants:
-            if nvfp4 == "grouped":  # the model's experts are NVFP4 already (the variant before): regroup them
+        for name, split_experts, nvfp4 in VARIANTS:
+            if nvfp4 == "grouped":  # the experts are NVFP4 already (the variant before): regroup them
                 for module in model.modules():
                     if getattr(module, "nvfp4", None) is not None:
                         module.nvfp4.grouped = True
@@ -113,33 +124,40 @@ def main() -> int:
             token_model = TokenModel(enable(model, experts=split_experts))
             if nvfp4 == "split":
                 quantize(model)
-            kv_cache = token_model.make_kv_cache(max_seq_len=prompt_len + 1)
-            # decode sizes only: the prompt (above max_tokens) runs the compiled pieces without graphs
-            runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=64))
-            runner(ids[:prompt_len], positions[:prompt_len], kv_cache)  # prefill (and capture of 1..64 tokens)
+            kv_cache = token_model.make_kv_cache(max_seq_len=prompt_len + 1, sequences=widest)
+            # decode sizes only: prompts above max_tokens run the compiled pieces without graphs
+            runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=max(batches)))
+            for slot in range(widest):  # prefill each sequence into its slot
+                runner(ids[slot, :prompt_len], torch.arange(prompt_len, device=device), kv_cache,
+                       torch.full((prompt_len,), slot, device=device))
+            for b in batches:
+                slots = torch.arange(b, device=device)
 
-            def step(runner=runner, kv_cache=kv_cache):
-                return runner(ids[prompt_len:], positions[prompt_len:], kv_cache)
+                def step(b=b, slots=slots, runner=runner, kv_cache=kv_cache):
+                    return runner(ids[:b, prompt_len], positions[:b], kv_cache, slots)
 
-            errors[name] = rel_error(step()[-1], expected)
-            results[name] = timed(step, sync, rounds, iters)
-            results[name + ": capture seconds"] = runner.stats["capture_seconds"]
+                errors.setdefault(name, {})[b] = rel_error(step(), expected[b])
+                results.setdefault(name, {})[b] = timed(step, sync, rounds, iters)
+            capture[name] = runner.stats["capture_seconds"]
 
     meta = {
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "command": "PYTHONPATH=src python benchmarks/hf_decode.py " + " ".join(sys.argv[1:]),
         "model": f"Glm4MoeForCausalLM, {args.layers} layers ({'tiny config' if args.tiny else 'GLM-4.5-Air layer shapes'}), "
-                 f"random weights, {dtype}, one sequence, {prompt_len} tokens of context",
+                 f"random weights, {dtype}, {prompt_len} tokens of context per sequence",
     }
     lines = ["# Decode step of a transformers GLM-MoE model", "", *(f"- {k}: {v}" for k, v in meta.items()), "",
-             "| variant | ms per step | rel. error vs transformers (no cache) |", "|---|---|---|"]
-    lines += [f"| {name} | {ms:.3f} | {errors[name]:.1e} |" for name, ms in results.items() if name in errors]
-    lines += ["", *(f"- {name}: {value:.1f}" for name, value in results.items() if name not in errors), ""]
+             "ms per step (B sequences, one token each); rel. error vs transformers without a cache in brackets", "",
+             "| variant | " + " | ".join(f"B={b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
+    lines += [f"| {name} | " + " | ".join(f"{row[b]:.3f} ({errors[name][b]:.1e})" for b in batches) + " |"
+              for name, row in results.items()]
+    lines += ["", *(f"- capture seconds, {name}: {seconds:.1f}" for name, seconds in capture.items()), ""]
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "hf_decode.json").write_text(json.dumps({"meta": meta, "ms": results, "rel_error": errors}, indent=2))
+        payload = {"meta": meta, "ms": results, "rel_error": errors, "capture_seconds": capture}
+        (args.out / "hf_decode.json").write_text(json.dumps(payload, indent=2))
         (args.out / "hf_decode.md").write_text("\n".join(lines))
     return 0
 
