@@ -143,6 +143,10 @@ def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
             if hasattr(module, "gate_up_proj"):
                 torch.nn.init.normal_(module.gate_up_proj, std=0.1)
                 torch.nn.init.normal_(module.down_proj, std=0.1)
+            if type(module).__name__ == "Glm4MoeTopkRouter":
+                # spread the router scores: the sharded sums round differently, and a near tie between two
+                # experts' scores would flip the choice (transformers' default init makes every score ~0.5)
+                torch.nn.init.normal_(module.weight, std=0.5)
         ids = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(1))
         token_model = TokenModel(enable(model))
         if nvfp4:
