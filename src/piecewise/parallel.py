@@ -36,7 +36,19 @@ from .opaque import opaque_op
 _groups: dict[str, dist.ProcessGroup] = {}
 
 
-def _group_name(group: dist.ProcessGroup) -> str:
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (default: the world), or 1 where torch.distributed is not initialised."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def check_divisible(sizes: dict[str, int], world: int, owner: str) -> None:
+    """ValueError naming the first of ``owner``'s ``sizes`` that ``world`` ranks cannot share evenly."""
+    for field, size in sizes.items():
+        if size % world:
+            raise ValueError(f"{owner}.{field}={size} does not split over {world} ranks: use a world size that divides it")
+
+
+def group_name(group: dist.ProcessGroup) -> str:
     """A name the all-reduce op takes as its argument (op arguments cannot be process groups)."""
     name = f"{getattr(group, 'group_name', '') or 'group'}_{id(group)}"
     _groups[name] = group
@@ -63,6 +75,13 @@ def all_reduce_in_graph(x: torch.Tensor, group: str) -> torch.Tensor:
     return _summed(x, group)
 
 
+def reduce_partial(partial: torch.Tensor, group: str, in_graph: bool) -> torch.Tensor:
+    """Sum a rank's partial output over ``group``: the splitting op, or the one captured in the graphs. The op
+    sees it token-major ([1, T, H] in transformers models → [T, H]): piecewise pads dimension 0."""
+    reduce = all_reduce_in_graph if in_graph else all_reduce
+    return reduce(partial.reshape(-1, partial.shape[-1]), group).view(partial.shape)
+
+
 @dataclass(frozen=True)
 class Column:
     """Shard a layer's outputs. ``sections``: sizes of the fused outputs (e.g. q, k, v), each split across the
@@ -83,10 +102,7 @@ class RowParallel(nn.Module):
         self.in_graph = in_graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        reduce = all_reduce_in_graph if self.in_graph else all_reduce
-        partial = self.layer(x)
-        # Token-major for the splitting op ([1, T, H] in transformers models → [T, H]): piecewise pads dim 0.
-        out = reduce(partial.reshape(-1, partial.shape[-1]), self.group).view(partial.shape)
+        out = reduce_partial(self.layer(x), self.group, self.in_graph)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
@@ -111,12 +127,16 @@ def _column_rows(out_features: int, sections: tuple[int, ...] | None, rank: int,
     return torch.cat(rows)
 
 
+def _take(tensor: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """``tensor.index_select(dim, index)``, float8 included (indexed through its bytes)."""
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor.view(torch.uint8).index_select(dim, index).view(torch.float8_e4m3fn)
+    return tensor.index_select(dim, index)
+
+
 def expert_rows(stacked: torch.Tensor, sections: tuple[int, ...], rank: int, world: int, name: str) -> torch.Tensor:
     """This rank's rows (dim 1) of a stack of per-expert matrices [E, N, ...], section by section (gate, up)."""
-    rows = _column_rows(stacked.shape[1], sections, rank, world, name).to(stacked.device)
-    if stacked.dtype == torch.float8_e4m3fn:  # no float8 indexing
-        return stacked.view(torch.uint8)[:, rows].view(torch.float8_e4m3fn).contiguous()
-    return stacked[:, rows].contiguous()
+    return _take(stacked, _column_rows(stacked.shape[1], sections, rank, world, name).to(stacked.device), 1)
 
 
 def expert_columns(stacked: torch.Tensor, rank: int, world: int, name: str) -> torch.Tensor:
@@ -140,9 +160,8 @@ def shard_layer(
     if isinstance(style, Column):
         rows = _column_rows(layer.out_features, style.sections, rank, world, name).to(layer.weight.device)
         if nvfp4:
-            scales = layer.weight_scale.view(torch.uint8)[rows].view(torch.float8_e4m3fn)  # (no float8 indexing)
             return NVFP4Linear.from_checkpoint(
-                layer.weight[rows], scales, layer.weight_scale_2, layer.input_scale,
+                layer.weight[rows], _take(layer.weight_scale, rows, 0), layer.weight_scale_2, layer.input_scale,
                 layer.bias[rows] if layer.bias is not None else None, dtype=_dtype(layer), check_scale=False)
         shard = nn.Linear(layer.in_features, len(rows), bias=layer.bias is not None,
                           device=layer.weight.device, dtype=layer.weight.dtype)
@@ -190,7 +209,7 @@ def tensor_parallel(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("tensor_parallel needs torch.distributed initialised first: call dist.init_process_group(...)")
     group = group or dist.group.WORLD
-    return shard_modules(model, plan, dist.get_rank(group), dist.get_world_size(group), _group_name(group),
+    return shard_modules(model, plan, dist.get_rank(group), dist.get_world_size(group), group_name(group),
                          in_graph=capture_all_reduce)
 
 

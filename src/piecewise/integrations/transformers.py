@@ -37,7 +37,7 @@ from ..models.attention import attend_over_cache
 from ..models.attention import attention as cached_attention
 from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
-from ..parallel import all_reduce, all_reduce_in_graph
+from ..parallel import reduce_partial
 
 NAME = "piecewise"
 
@@ -114,9 +114,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     else:
         out = _dense_experts(self, hidden_states, top_k_index, top_k_weights)
     reduce = getattr(self, "piecewise_reduce", None)  # (group, in_graph) when tensor_parallel sharded the experts
-    if reduce is not None:
-        out = (all_reduce_in_graph if reduce[1] else all_reduce)(out, reduce[0])
-    return out
+    return reduce_partial(out, *reduce) if reduce is not None else out
 
 
 def _dense_experts(self, hidden_states, top_k_index, top_k_weights):
@@ -129,6 +127,11 @@ def _dense_experts(self, hidden_states, top_k_index, top_k_weights):
             f"enable(model, experts=False) keeps transformers' own"
         )
     return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """A stacked-experts module (transformers' experts interface: ``gate_up_proj`` [E, 2I, H], ``down_proj``)."""
+    return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")
 
 
 def _no_mask(*args, **kwargs):
@@ -168,7 +171,7 @@ def enable(model: nn.Module, *, experts: bool = True) -> nn.Module:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, _no_mask)
     model.config._attn_implementation = NAME
-    if experts and any(hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") for m in model.modules()):
+    if experts and any(_is_experts(m) for m in model.modules()):
         from transformers.integrations.moe import ExpertsInterface
 
         ExpertsInterface.register(NAME, experts_forward)
@@ -181,13 +184,11 @@ def quantize(model: nn.Module, *, grouped_experts: bool = False) -> list[str]:
     (``quantize_linears``) and every stacked-experts module (``NVFP4Experts``, its bf16 ``gate_up_proj`` /
     ``down_proj`` dropped; ``grouped_experts``: the static-shape grouped op, captured with the pieces, instead
     of the splitting op). Returns the qualified names converted."""
-    if getattr(model.config, "_experts_implementation", None) != NAME and any(
-        hasattr(m, "gate_up_proj") for m in model.modules()
-    ):
+    if getattr(model.config, "_experts_implementation", None) != NAME and any(_is_experts(m) for m in model.modules()):
         raise ValueError("quantize(model) needs enable(model) first: only the piecewise experts run NVFP4 experts")
     converted = quantize_linears(model)
     for name, module in model.named_modules():
-        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+        if _is_experts(module):
             stacked = SimpleNamespace(gate_up=module.gate_up_proj, down=module.down_proj)
             module.nvfp4 = NVFP4Experts(stacked, grouped=grouped_experts)
             del module.gate_up_proj, module.down_proj
@@ -211,22 +212,19 @@ def tensor_parallel(model: nn.Module, group=None, *, capture_all_reduce: bool = 
     every rank. Returns the qualified names sharded."""
     import torch.distributed as dist
 
-    from ..parallel import _group_name
+    from ..parallel import check_divisible, group_name, world_size
     from ..parallel import tensor_parallel as shard
 
     c = model.config
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    sizes = {"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-             "intermediate_size": getattr(c, "intermediate_size", world)}
-    for field, size in sizes.items():
-        if size % world:
-            raise ValueError(f"config.{field}={size} does not split over {world} ranks: use a world size that divides it")
+    world = world_size(group)
+    check_divisible({"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+                     "intermediate_size": getattr(c, "intermediate_size", world)}, world, "config")
     sharded = shard(model, TENSOR_PARALLEL_PLAN, group, capture_all_reduce=capture_all_reduce)
     group = group or dist.group.WORLD
-    rank, name = dist.get_rank(group), _group_name(group)
+    rank, name = dist.get_rank(group), group_name(group)
     ours = getattr(c, "_experts_implementation", None) == NAME  # transformers' own experts would not all-reduce
     for qualified, module in model.named_modules():
-        if ours and (hasattr(module, "gate_up_proj") or getattr(module, "nvfp4", None) is not None):
+        if ours and (_is_experts(module) or getattr(module, "nvfp4", None) is not None):
             _shard_experts(module, c.moe_intermediate_size, rank, world, qualified)
             module.piecewise_reduce = (name, capture_all_reduce)
             sharded.append(qualified)
@@ -253,7 +251,7 @@ def _shard_experts(module: nn.Module, inter: int, rank: int, world: int, name: s
     q.gate_up = expert_rows(q.gate_up, (inter, inter), rank, world, name)
     q.gate_up_scale = expert_rows(q.gate_up_scale, (inter, inter), rank, world, name)
     q.down = expert_columns(q.down, rank, world, name)
-    q.down_scale = expert_columns(q.down_scale.view(torch.uint8), rank, world, name).view(torch.float8_e4m3fn)
+    q.down_scale = expert_columns(q.down_scale, rank, world, name)
 
 
 class TokenModel(nn.Module):

@@ -123,10 +123,11 @@ class NVFP4Experts(nn.Module):
         self.grouped = grouped
         for name, stacked in (("gate_up", experts.gate_up), ("down", experts.down)):
             stacked = stacked.detach()
-            parts = [quantize(w, scale) for w, scale in ((w, global_scale_for(w)) for w in stacked)]
+            encode = [global_scale_for(w) for w in stacked]
+            parts = [quantize(w, scale) for w, scale in zip(stacked, encode)]
             self.register_buffer(name, torch.stack([packed for packed, _ in parts]))
             self.register_buffer(f"{name}_scale", torch.stack([scales for _, scales in parts]))
-            self.register_buffer(f"{name}_scale_2", torch.stack([1 / global_scale_for(w) for w in stacked]).float())
+            self.register_buffer(f"{name}_scale_2", torch.stack([1 / scale for scale in encode]).float())
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         op = moe_op if self.grouped else moe_experts_nvfp4
@@ -157,9 +158,7 @@ class GlmMoE(nn.Module):
 class MoeDecoderLayer(DecoderLayer):
     """A decoder layer whose MLP is ``GlmMoE``."""
 
-    def __init__(self, config: GlmMoeConfig, index: int, attend=attention):
-        super().__init__(config, index, attend)
-        del self.gate_up, self.down
+    def build_mlp(self, config: GlmMoeConfig) -> None:
         self.mlp = GlmMoE(config)
 
     def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -171,10 +170,11 @@ class GlmMoeModel(TinyLlama):
     """``TinyLlama`` with MoE layers from ``first_k_dense_replace`` on; same forward signature."""
 
     def __init__(self, config: GlmMoeConfig | None = None, attend=attention):
-        config = config or GlmMoeConfig()
-        super().__init__(config, attend)
-        for index in range(config.first_k_dense_replace, config.num_layers):
-            self.layers[index] = MoeDecoderLayer(config, index, attend)
+        super().__init__(config or GlmMoeConfig(), attend)
+
+    def make_layer(self, config: GlmMoeConfig, index: int, attend) -> nn.Module:
+        layer_class = DecoderLayer if index < config.first_k_dense_replace else MoeDecoderLayer
+        return layer_class(config, index, attend)
 
 
 def quantize_experts(model: nn.Module, *, grouped: bool = False) -> int:

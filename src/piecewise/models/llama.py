@@ -60,8 +60,12 @@ class DecoderLayer(nn.Module):
         self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.post_norm = RMSNorm(hidden)
-        self.gate_up = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.build_mlp(config)
+
+    def build_mlp(self, config: LlamaConfig) -> None:
+        """The SwiGLU MLP's layers (subclasses build another MLP)."""
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def pre_attention(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
         """Norm, QKV projection and rotary: [T, hidden] → q [T, Hq, D], k/v [T, Hkv, D]."""
@@ -92,9 +96,13 @@ class TinyLlama(nn.Module):
         super().__init__()
         self.config = config = config or LlamaConfig()
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, attend) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i, attend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_layer(self, config: LlamaConfig, index: int, attend) -> nn.Module:
+        """Decoder layer ``index`` (subclasses pick other layers)."""
+        return DecoderLayer(config, index, attend)
 
     def make_kv_cache(self, device=None, dtype=None) -> torch.Tensor:
         c = self.config
@@ -129,18 +137,12 @@ def tensor_parallel_llama(model: TinyLlama, group=None, *, capture_all_reduce: b
     gate+up column-parallel by heads and by MLP columns, the output and down projections row-parallel with an
     all-reduce; each rank's config then has its share of the heads and of the MLP (so its KV cache too).
     Returns the qualified names sharded."""
-    import torch.distributed as dist
-
-    from ..parallel import Column, tensor_parallel
+    from ..parallel import Column, check_divisible, tensor_parallel, world_size
 
     c = model.config
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
-        if getattr(c, field) % world:
-            raise ValueError(
-                f"tensor_parallel_llama: config.{field}={getattr(c, field)} does not split over {world} ranks "
-                f"(KV heads are not replicated): use a world size that divides it"
-            )
+    world = world_size(group)
+    check_divisible({field: getattr(c, field) for field in ("num_heads", "num_kv_heads", "intermediate_size")},
+                    world, "config")  # KV heads are not replicated
     plan = {
         "layers.*.qkv": Column(sections=(c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)),
         "layers.*.o_proj": "row",
