@@ -13,6 +13,7 @@ transformers' logits for the same tokens.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import statistics
@@ -65,6 +66,25 @@ def rel_error(out, ref) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
+def with_weights_of(quantized, reference):
+    """``reference`` (an unquantized copy) given the dequantized weights of ``quantized`` (after ``quantize``),
+    in place: transformers' own forward on the numbers the NVFP4 variants compute with."""
+    from piecewise.kernels.nvfp4 import NVFP4Linear, dequantize
+
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, NVFP4Linear):
+                reference.get_submodule(name).weight.copy_(module.dequantized_weight(reference.dtype))
+            nvfp4 = getattr(module, "nvfp4", None)
+            if nvfp4 is not None:
+                target = reference.get_submodule(name)
+                for stacked, attr in ((target.gate_up_proj, "gate_up"), (target.down_proj, "down")):
+                    packed, scales, decode = (getattr(nvfp4, attr + suffix) for suffix in ("", "_scale", "_scale_2"))
+                    for e in range(stacked.shape[0]):
+                        stacked[e] = dequantize(packed[e], scales[e], 1 / decode[e], dtype=stacked.dtype)
+    return reference
+
+
 VARIANTS = (
     # (name, experts between pieces, NVFP4: None / "split" / "grouped"); run in this order on one model
     ("piecewise, transformers' grouped_mm experts in the graphs", False, None),
@@ -98,7 +118,13 @@ def main() -> int:
     capture: dict[str, float] = {}
     with torch.no_grad():
         model = build(config_values, args.layers, device, dtype)
-        expected = {b: model(input_ids=ids[:b], use_cache=False, logits_to_keep=1).logits[:, -1] for b in batches}
+        as_built = (model.config._attn_implementation, model.config._experts_implementation)
+
+        def last_logits(m):
+            return {b: m(input_ids=ids[:b], use_cache=False, logits_to_keep=1).logits[:, -1] for b in batches}
+
+        expected = last_logits(model)
+        reference_error: dict[int, float] = {}  # the NVFP4 model against the bf16 one
         from transformers import DynamicCache
 
         for b in batches:  # transformers eager, its own cache, b sequences of equal length
@@ -107,7 +133,7 @@ def main() -> int:
 
             def hf_step(b=b, cache=cache):
                 out = model(input_ids=ids[:b, prompt_len:], past_key_values=cache, use_cache=True).logits
-                cache.crop(prompt_len)
+                cache.crop(-1)  # drop the step's token again
                 return out
 
             errors.setdefault("transformers eager", {})[b] = rel_error(hf_step()[:, -1], expected[b])
@@ -123,7 +149,12 @@ def main() -> int:
                 model.config._experts_implementation = "grouped_mm"
             token_model = TokenModel(enable(model, experts=split_experts))
             if nvfp4 == "split":
+                reference = copy.deepcopy(model)
+                reference.config._attn_implementation, reference.config._experts_implementation = as_built
                 quantize(model)
+                expected_nvfp4 = last_logits(with_weights_of(model, reference))
+                reference_error = {b: rel_error(expected_nvfp4[b], expected[b]) for b in batches}
+                del reference
             kv_cache = token_model.make_kv_cache(max_seq_len=prompt_len + 1, sequences=widest)
             # decode sizes only: prompts above max_tokens run the compiled pieces without graphs
             runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=max(batches)))
@@ -136,7 +167,7 @@ def main() -> int:
                 def step(b=b, slots=slots, runner=runner, kv_cache=kv_cache):
                     return runner(ids[:b, prompt_len], positions[:b], kv_cache, slots)
 
-                errors.setdefault(name, {})[b] = rel_error(step(), expected[b])
+                errors.setdefault(name, {})[b] = rel_error(step(), expected_nvfp4[b] if nvfp4 else expected[b])
                 results.setdefault(name, {})[b] = timed(step, sync, rounds, iters)
             capture[name] = runner.stats["capture_seconds"]
 
@@ -148,15 +179,21 @@ def main() -> int:
                  f"random weights, {dtype}, {prompt_len} tokens of context per sequence",
     }
     lines = ["# Decode step of a transformers GLM-MoE model", "", *(f"- {k}: {v}" for k, v in meta.items()), "",
-             "ms per step (B sequences, one token each); rel. error vs transformers without a cache in brackets", "",
+             "ms per step (B sequences, one token each); in brackets, the rel. error of the logits against "
+             "transformers' forward without a cache on the same weights (NVFP4 rows: the dequantized NVFP4 weights)", "",
              "| variant | " + " | ".join(f"B={b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
     lines += [f"| {name} | " + " | ".join(f"{row[b]:.3f} ({errors[name][b]:.1e})" for b in batches) + " |"
               for name, row in results.items()]
-    lines += ["", *(f"- capture seconds, {name}: {seconds:.1f}" for name, seconds in capture.items()), ""]
+    lines += ["", *(f"- capture seconds, {name}: {seconds:.1f}" for name, seconds in capture.items())]
+    if reference_error:
+        lines += ["- NVFP4 weights against the bf16 model (transformers' forward, both): rel. error "
+                  + ", ".join(f"{reference_error[b]:.1e} at B={b}" for b in batches)]
+    lines += [""]
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        payload = {"meta": meta, "ms": results, "rel_error": errors, "capture_seconds": capture}
+        payload = {"meta": meta, "ms": results, "rel_error": errors, "capture_seconds": capture,
+                   "nvfp4_vs_bf16_rel_error": reference_error}
         (args.out / "hf_decode.json").write_text(json.dumps(payload, indent=2))
         (args.out / "hf_decode.md").write_text("\n".join(lines))
     return 0

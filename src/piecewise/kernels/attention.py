@@ -1,0 +1,125 @@
+"""Attention of tokens from many sequences over a multi-sequence KV cache, in one launch.
+
+``slot_attention(q, cache_k, cache_v, slots, positions, scale)``: token t (q [T, Hq, D]) belongs to sequence
+``slots[t]`` and sits at ``positions[t]``; it attends causally over ``cache_k[slots[t], :positions[t] + 1]``
+(cache [sequences, max_seq, Hkv, D]). One program per (token, KV head) reads only that prefix of its
+sequence's cache, with the query heads that share the KV head stacked as the rows of ``tl.dot``, and an
+online softmax in float32 (flash decoding without the split over keys). No host sync and no copy of the cache:
+a decode step of B sequences is one launch per layer whatever the slots are. It also runs under
+``TRITON_INTERPRET=1``. ``slot_attention_reference`` is the same computation in PyTorch, one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - no Triton: the reference only
+    triton = None
+
+BLOCK_N = 64
+"""Keys per step of the loop over a sequence's cache."""
+
+
+def attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
+    """q [T, Hq, D] of one sequence at ``positions`` attends causally over its cache [S, Hkv, D] → [T, Hq·D]."""
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = cache_k.shape[1]
+    keys = cache_k.transpose(0, 1)  # [Hkv, S, D]
+    values = cache_v.transpose(0, 1)
+    group = q_heads // kv_heads
+    # [Hkv, group·T, D]: the query heads of one KV head attend to it together (no K/V expansion).
+    query = q.view(tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, group * tokens, head_dim)
+    key_positions = torch.arange(cache_k.shape[0], device=q.device)
+    visible = key_positions[None, :] <= positions[:, None]  # [T, S] causal over the cache
+    mask = visible.repeat(group, 1)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    return out.view(kv_heads, group, tokens, head_dim).permute(2, 0, 1, 3).reshape(tokens, q_heads * head_dim)
+
+
+def slot_attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                             positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The PyTorch reference: ``attend_over_cache`` once per sequence in the call → [T, Hq, D]."""
+    out = torch.empty_like(q)
+    for slot in torch.unique(slots).tolist():
+        index = (slots == slot).nonzero().squeeze(1)
+        out[index] = attend_over_cache(q[index], cache_k[slot], cache_v[slot], positions[index], scale).view(
+            index.numel(), *q.shape[1:])
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _slot_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, scale,
+        stride_q_token, stride_q_head, stride_k_slot, stride_k_pos, stride_k_head,
+        stride_v_slot, stride_v_pos, stride_v_head, stride_out_token, stride_out_head,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED_KEYS: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        position = tl.load(positions_ptr + token).to(tl.int32)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        k_base = k_ptr + slot * stride_k_slot + kv_head * stride_k_head
+        v_base = v_ptr + slot * stride_v_slot + kv_head * stride_v_head
+        row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        # The interpreter cannot bound a loop by a loaded value: there, every key, masked past the position.
+        for start in range(0, INTERPRETED_KEYS if INTERPRETED_KEYS else position + 1, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n <= position
+            k = tl.load(k_base + n[:, None] * stride_k_pos + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            p = tl.exp(s - new_max[:, None])
+            alpha = tl.exp(row_max - new_max)
+            row_sum = row_sum * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + n[:, None] * stride_v_pos + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            row_max = new_max
+        out = acc / row_sum[:, None]
+        tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def slot_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                   positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, Hq, D], cache_k / cache_v [sequences, max_seq, Hkv, D] (the call's keys already written),
+    slots / positions [T] → [T, Hq, D]. Triton kernel; positions past ``max_seq`` are the caller's to refuse."""
+    if triton is None:
+        raise RuntimeError("slot_attention needs Triton: use slot_attention_reference")
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = cache_k.shape[2]
+    group = q_heads // kv_heads
+    if q.stride(2) != 1 or cache_k.stride(3) != 1 or cache_v.stride(3) != 1:
+        raise ValueError("slot_attention needs the head dimension contiguous in q and in the cache")
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _slot_attention_kernel[(tokens, kv_heads)](
+        q, cache_k, cache_v, out, slots, positions, scale,
+        q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N, PRECISION=precision,
+        INTERPRETED_KEYS=cache_k.shape[1] if os.environ.get("TRITON_INTERPRET") == "1" else 0, num_warps=4,
+    )
+    return out

@@ -1,0 +1,47 @@
+"""The one-launch slot attention (``kernels.attention``) on CUDA against its PyTorch reference."""
+
+import math
+
+import pytest
+import torch
+
+from piecewise.kernels.attention import slot_attention, slot_attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(96, 8, 128), (32, 8, 128), (8, 8, 64), (12, 2, 80)])
+@pytest.mark.parametrize("tokens", [1, 8, 67])
+def test_kernel_matches_the_reference(dtype, q_heads, kv_heads, head_dim, tokens):
+    generator = torch.Generator(device="cuda").manual_seed(tokens * 1000 + q_heads)
+    sequences, max_seq = 80, 600
+    cache_k = torch.randn(sequences, max_seq, kv_heads, head_dim, device="cuda", generator=generator).to(dtype)
+    cache_v = torch.randn(sequences, max_seq, kv_heads, head_dim, device="cuda", generator=generator).to(dtype)
+    slots = torch.randint(0, sequences, (tokens,), device="cuda", generator=generator)
+    positions = torch.randint(0, max_seq, (tokens,), device="cuda", generator=generator)
+    positions[0] = max_seq - 1
+    q = torch.randn(tokens, q_heads, head_dim, device="cuda", generator=generator).to(dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = slot_attention(q, cache_k, cache_v, slots, positions, scale)
+    expected = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, scale)
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_kernel_replays_in_a_cuda_graph_with_new_slots_and_positions():
+    torch.manual_seed(0)
+    cache_k = torch.randn(16, 300, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cache_v = torch.randn_like(cache_k)
+    q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(8, device="cuda")
+    positions = torch.full((8,), 10, device="cuda")
+    slot_attention(q, cache_k, cache_v, slots, positions, 0.1)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = slot_attention(q, cache_k, cache_v, slots, positions, 0.1)
+    slots.copy_(torch.randperm(16, device="cuda")[:8])
+    positions.copy_(torch.randint(0, 300, (8,), device="cuda"))
+    graph.replay()
+    expected = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, 0.1)
+    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)

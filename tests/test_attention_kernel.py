@@ -1,0 +1,107 @@
+"""The one-launch attention over a multi-sequence KV cache (``kernels.attention``) on CPU: its reference against
+attention written out per token, the Triton kernel under the interpreter against the reference, its sm_90 build."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from piecewise.kernels.attention import slot_attention_reference
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def per_token(q, cache_k, cache_v, slots, positions, scale):
+    """Each query head of each token over keys 0..position of its sequence, with an explicit softmax."""
+    group = q.shape[1] // cache_k.shape[2]
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        keys = cache_k[slots[t], : positions[t] + 1].double()
+        values = cache_v[slots[t], : positions[t] + 1].double()
+        for h in range(q.shape[1]):
+            weights = torch.softmax(keys[:, h // group] @ q[t, h].double() * scale, dim=0)
+            out[t, h] = (weights @ values[:, h // group]).to(q.dtype)
+    return out
+
+
+def case(seed, sequences=4, max_seq=70, kv_heads=2, group=3, head_dim=32, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    cache_k = torch.randn(sequences, max_seq, kv_heads, head_dim, generator=generator).to(dtype)
+    cache_v = torch.randn(sequences, max_seq, kv_heads, head_dim, generator=generator).to(dtype)
+    # decode tokens of two sequences, three prefill tokens of another (positions 0, 63, 64: block edges), the last key
+    slots = torch.tensor([2, 0, 0, 0, 3, 1])
+    positions = torch.tensor([max_seq - 1, 0, 63, 64, 33, 5])
+    q = torch.randn(len(slots), kv_heads * group, head_dim, generator=generator).to(dtype)
+    return q, cache_k, cache_v, slots, positions, 1 / math.sqrt(head_dim)
+
+
+def test_reference_is_causal_attention_of_each_token_over_its_own_sequence():
+    args = case(0)
+    torch.testing.assert_close(slot_attention_reference(*args), per_token(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_ignores_keys_past_each_position_and_other_sequences():
+    q, cache_k, cache_v, slots, positions, scale = case(1)
+    expected = slot_attention_reference(q, cache_k, cache_v, slots, positions, scale)
+    noisy_k, noisy_v = cache_k.clone(), cache_v.clone()
+    for slot in range(cache_k.shape[0]):
+        used = positions[slots == slot]
+        last = int(used.max()) + 1 if used.numel() else 0
+        noisy_k[slot, last:] = 1e4
+        noisy_v[slot, last:] = -1e4
+    torch.testing.assert_close(slot_attention_reference(q, noisy_k, noisy_v, slots, positions, scale), expected)
+
+
+KERNEL_CHECK = textwrap.dedent("""
+    import math, torch
+    from piecewise.kernels.attention import slot_attention, slot_attention_reference
+    from test_attention_kernel import case
+    shapes = [dict(), dict(kv_heads=1, group=12, head_dim=64), dict(kv_heads=4, group=1, head_dim=80),
+              dict(dtype=torch.float16)]
+    for seed, shape in enumerate(shapes):
+        q, cache_k, cache_v, slots, positions, scale = case(seed, **shape)
+        out = slot_attention(q, cache_k, cache_v, slots, positions, scale)
+        expected = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, scale)
+        tolerance = 1e-5 if q.dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+        assert out.dtype == q.dtype
+    print("kernel matches")
+""")
+
+
+def test_kernel_under_the_triton_interpreter_matches_the_reference():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([SRC, str(Path(__file__).parent)]))
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel matches" in done.stdout
+
+
+def test_kernel_builds_for_hopper_without_a_gpu():
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from piecewise.kernels import attention
+
+    names = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "slots_ptr", "positions_ptr", "scale", "stride_q_token",
+             "stride_q_head", "stride_k_slot", "stride_k_pos", "stride_k_head", "stride_v_slot", "stride_v_pos",
+             "stride_v_head", "stride_out_token", "stride_out_head"]
+    types = ["*bf16"] * 4 + ["*i64", "*i64", "fp32"] + ["i32"] * 10
+    constants = {"GROUP": 12, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "PRECISION": "tf32",
+                 "INTERPRETED_KEYS": 0}
+    signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
+    source = ASTSource(fn=attention._slot_attention_kernel, signature=signature, constexprs=constants)
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower() and "not found" in str(exc).lower():
+            pytest.skip(f"no ptxas here: {exc}")
+        raise
+    assert "mma" in kernel.asm["ptx"]
