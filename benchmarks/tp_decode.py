@@ -50,7 +50,7 @@ def steps_for(model, cache):
         ids, positions, _ = inputs(batch, cache, L16.vocab_size)
         outs[batch] = runner(ids, positions, cache).clone()
         steps[batch] = lambda r=runner, ids=ids, positions=positions: r(ids, positions, cache)
-    return steps, outs
+    return runner, steps, outs
 
 
 def worker(rank: int, init_file: str, out_dir: str | None, nvfp4: bool, capture_all_reduce: bool) -> None:
@@ -64,9 +64,9 @@ def worker(rank: int, init_file: str, out_dir: str | None, nvfp4: bool, capture_
             cache = model.make_kv_cache(max(BATCHES))
             cache.normal_(generator=torch.Generator("cuda").manual_seed(1))
             with torch.no_grad():
-                steps, reference = steps_for(model, cache)
+                runner, steps, reference = steps_for(model, cache)
                 single = round_robin_ms(steps)
-            del model, cache, steps
+            del model, cache, steps, runner
         dist.barrier()
         model = build(nvfp4)
         tensor_parallel_llama(model, capture_all_reduce=capture_all_reduce)
@@ -77,8 +77,9 @@ def worker(rank: int, init_file: str, out_dir: str | None, nvfp4: bool, capture_
         cache.copy_(full[:, :, :, rank * share : (rank + 1) * share])  # this rank's heads of the same cache
         del full
         with torch.no_grad():
-            steps, outs = steps_for(model, cache)
+            runner, steps, outs = steps_for(model, cache)
             tp = round_robin_ms(steps)
+        runner.release_graphs()  # before destroy_process_group: NCCL waits for graphs holding its collectives
         if rank == 0 and out_dir:
             errors = {b: float((outs[b].float() - reference[b].float()).norm() / reference[b].float().norm())
                       for b in BATCHES}

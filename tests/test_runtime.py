@@ -45,6 +45,19 @@ def test_example_equals_eager_for_every_token_count(layers):
     assert runner.token_arguments == {"input_ids": 0, "positions": 0}
 
 
+def test_released_runner_keeps_computing_the_same_outputs():
+    model, (ids, positions, cache) = example(tokens=5, num_layers=2)
+    with torch.no_grad():
+        reference_cache = cache.clone()
+        expected = model(ids, positions, reference_cache)
+        with piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8)) as runner:
+            runner(ids, positions, cache)
+        out = runner(ids, positions, cache)  # after release: the pieces, padded, without graphs (same positions)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(cache, reference_cache)
+    assert runner.stats["cuda_graphs"] is False and runner.stats["padded_calls"] == 2
+
+
 def test_zero_tokens_is_an_error():
     model, (ids, positions, cache) = example(tokens=3)
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))

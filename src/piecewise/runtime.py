@@ -349,6 +349,31 @@ class PiecewiseModel:
         self.stats["capture_seconds"] = time.perf_counter() - started
         self.stats["pool_bytes"] = _compat.graph_pool_bytes(state.pool) or 0
 
+    def release_graphs(self) -> None:
+        """Destroy every captured CUDA graph and the memory pool they share; later calls run the same pieces
+        padded, without graphs (same outputs, ``stats["cuda_graphs"]`` False).
+
+        Call it before ``torch.distributed.destroy_process_group()`` when collectives were captured in the
+        graphs (``capture_all_reduce=True``): NCCL holds each communicator open until every graph that
+        captured one of its collectives is destroyed, so destroying the group first never returns."""
+        state = self.state
+        if state.pool is not None:
+            torch.cuda.synchronize()
+        for runner in state.graph_runners:
+            runner.graphs_allowed = False
+            for piece in runner.pieces:
+                piece.graphs.clear()
+                piece.outputs.clear()
+        state.pool = None
+        state.graphs_enabled = False
+        self.stats.update(cuda_graphs=False, graphs=0, captured_sizes=[], pool_bytes=0)
+
+    def __enter__(self) -> "PiecewiseModel":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release_graphs()
+
     # --- tracing --------------------------------------------------------------------------------------
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:

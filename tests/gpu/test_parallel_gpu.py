@@ -1,7 +1,10 @@
 """Tensor parallelism on two GPUs: NCCL all-reduces between captured pieces, bf16 and NVFP4 weights."""
 
+import datetime
+import faulthandler
 import os
 import tempfile
+import traceback
 
 import pytest
 import torch
@@ -25,10 +28,28 @@ def rel_error(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
+def _join(rank: int, init_file: str) -> None:
+    """Join the two-rank NCCL group, with a hang turned into a failure: collectives time out after 90 s, and
+    a rank still running after 150 s prints every thread's stack and exits."""
     torch.cuda.set_device(rank)
+    faulthandler.dump_traceback_later(150, exit=True)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            device_id=torch.device("cuda", rank))
+                            device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=90))
+
+
+def _leave(failed: bool) -> None:
+    """A failed rank exits at once: tearing its group down would wait on collectives the other rank never
+    joins (the other rank then fails on its collective timeout)."""
+    faulthandler.cancel_dump_traceback_later()
+    if failed:
+        traceback.print_exc()
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
+    _join(rank, init_file)
+    failed = True
     try:
         model, (ids, positions, _) = example(tokens=16, device="cuda", dtype=torch.bfloat16, **CONFIG)
         if nvfp4:
@@ -45,10 +66,12 @@ def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
                 assert rel_error(out, expected[tokens]) <= 1e-2, (rank, tokens, rel_error(out, expected[tokens]))
         stats = runner.stats
         pieces = 3 if in_graph else 7  # the NCCL all-reduces inside the graphs, or between them
-        assert stats["cuda_graphs"] is True and stats["pieces"] == pieces
-        assert stats["graphs"] == pieces * len(stats["captured_sizes"]) and stats["replays"] > 0
+        assert stats["cuda_graphs"] is True and stats["pieces"] == pieces, stats
+        assert stats["graphs"] == pieces * len(stats["captured_sizes"]) and stats["replays"] > 0, stats
+        runner.release_graphs()  # before the group goes: NCCL waits for graphs holding its collectives
+        failed = False
     finally:
-        dist.destroy_process_group()
+        _leave(failed)
 
 
 @pytest.mark.parametrize("nvfp4,in_graph", [(False, False), (True, False), (False, True)],
@@ -68,9 +91,8 @@ def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
     from piecewise.integrations.transformers import TokenModel, enable, quantize
     from piecewise.integrations.transformers import tensor_parallel as hf_tensor_parallel
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            device_id=torch.device("cuda", rank))
+    _join(rank, init_file)
+    failed = True
     try:
         torch.manual_seed(0)
         config = transformers.Glm4MoeConfig(
@@ -102,8 +124,10 @@ def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
         else:
             assert rel_error(logits, expected) <= 1e-4, rank
         assert runner.stats["replays"] > 0
+        runner.release_graphs()
+        failed = False
     finally:
-        dist.destroy_process_group()
+        _leave(failed)
 
 
 @pytest.mark.parametrize("nvfp4", [False, True], ids=["fp32", "nvfp4-grouped-experts"])

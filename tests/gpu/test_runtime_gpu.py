@@ -118,3 +118,22 @@ def test_doctor_trial_capture_finds_capture_illegal_ops():
     assert blocker.chain[-1].function == "forward"
     clean = torch.nn.Linear(16, 16).cuda()
     assert piecewise.doctor(clean, torch.randn(4, 16, device="cuda")).ok
+
+
+def test_released_graphs_free_the_pool_and_calls_stay_correct():
+    model, ids, positions, cache = make(num_layers=2)
+    with piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16)) as runner:
+        runner(ids, positions, cache)
+        assert runner.stats["graphs"] == 3 * len(runner.stats["captured_sizes"]) > 0
+        pieces = [piece for graph_runner in runner.state.graph_runners for piece in graph_runner.pieces]
+    assert all(not piece.graphs and not piece.outputs for piece in pieces) and runner.state.pool is None
+    stats = runner.stats
+    assert stats["cuda_graphs"] is False and stats["graphs"] == 0 and stats["captured_sizes"] == []
+    replays = stats["replays"]
+    for tokens in (1, 7, 16):
+        step_ids, step_positions = ids[:1].repeat(tokens), torch.arange(tokens, device="cuda")
+        reference_cache = cache.clone()
+        ref = model(step_ids, step_positions, reference_cache)
+        out = runner(step_ids, step_positions, cache)
+        assert rel_error(out, ref) <= 1e-2, tokens
+    assert runner.stats["replays"] == replays
