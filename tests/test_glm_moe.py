@@ -87,12 +87,14 @@ def test_piecewise_equals_eager_and_cuts_at_the_experts():
     assert stats["splitting_op_calls"] == 5
 
 
-def test_nvfp4_experts_compute_with_their_dequantized_weights():
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-op", "splitting-op"])
+def test_nvfp4_experts_compute_with_their_dequantized_weights(grouped):
     model, (ids, positions, cache) = example(tokens=5, num_layers=2, hidden_size=64, moe_intermediate_size=32)
     moe = model.layers[1].mlp
     x = torch.randn(6, 64)
     dense = moe.experts
-    assert quantize_experts(model) == 1 and isinstance(moe.experts, NVFP4Experts)
+    assert quantize_experts(model, grouped=grouped) == 1 and isinstance(moe.experts, NVFP4Experts)
+    assert moe.experts.grouped is grouped
     for name in ("gate_up", "down"):  # put the NVFP4 values back into the dense experts: same sums expected
         q = moe.experts
         values = [dequantize(p, s, 1 / d, dtype=torch.float32)

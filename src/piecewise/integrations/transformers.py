@@ -181,11 +181,11 @@ def enable(model: nn.Module, *, experts: bool = True) -> nn.Module:
     return model
 
 
-def quantize(model: nn.Module, *, grouped_experts: bool = False) -> list[str]:
+def quantize(model: nn.Module, *, grouped_experts: bool = True) -> list[str]:
     """NVFP4 weights for an ``enable``d model, in place: every ``nn.Linear`` but the output head
     (``quantize_linears``) and every stacked-experts module (``NVFP4Experts``, its bf16 ``gate_up_proj`` /
-    ``down_proj`` dropped; ``grouped_experts``: the static-shape grouped op, captured with the pieces, instead
-    of the splitting op). Returns the qualified names converted."""
+    ``down_proj`` dropped; ``grouped_experts`` (default): the static-shape grouped op, captured with the
+    pieces; False: the per-expert loop as a splitting op). Returns the qualified names converted."""
     if getattr(model.config, "_experts_implementation", None) != NAME and any(_is_experts(m) for m in model.modules()):
         raise ValueError("quantize(model) needs enable(model) first: only the piecewise experts run NVFP4 experts")
     converted = quantize_linears(model)

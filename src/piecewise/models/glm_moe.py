@@ -114,11 +114,11 @@ class NVFP4Experts(nn.Module):
     """``Experts`` with each expert's matrices quantized to NVFP4 (per-expert global scale); built from
     anything holding stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] tensors.
 
-    ``grouped=False``: a splitting op running the per-expert loop (eager between pieces, any device).
-    ``grouped=True``: ``piecewise_nvfp4::moe``, static shapes and grouped kernels on CUDA, captured inside the
-    pieces (on CPU the same loop)."""
+    ``grouped=True`` (default): ``piecewise_nvfp4::moe``, static shapes and grouped kernels on CUDA, captured
+    inside the pieces (on CPU the per-expert loop). ``grouped=False``: a splitting op running the per-expert
+    loop (eager between pieces, a host sync per layer)."""
 
-    def __init__(self, experts: Experts, grouped: bool = False):
+    def __init__(self, experts: Experts, grouped: bool = True):
         super().__init__()
         self.grouped = grouped
         for name, stacked in (("gate_up", experts.gate_up), ("down", experts.down)):
@@ -177,7 +177,7 @@ class GlmMoeModel(TinyLlama):
         return layer_class(config, index, attend)
 
 
-def quantize_experts(model: nn.Module, *, grouped: bool = False) -> int:
+def quantize_experts(model: nn.Module, *, grouped: bool = True) -> int:
     """Replace every ``Experts`` of ``model`` by its ``NVFP4Experts`` (``grouped``: see there), in place;
     returns how many. The other linear layers convert with ``quantize_linears(model, skip=("lm_head", "router"))``."""
     count = 0
