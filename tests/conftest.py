@@ -2,7 +2,27 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run every N-th collected test starting at the K-th (0-based): N processes share a machine")
+
+
+def _shard(value: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in value.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard takes K/N with integers, 0 <= K < N (e.g. 0/4), got {value!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise pytest.UsageError(f"--shard {value}: K must be in 0..N-1 and N at least 1")
+    return index, count
+
+
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is not None:
+        index, count = _shard(shard)
+        config.hook.pytest_deselected(items=[item for position, item in enumerate(items) if position % count != index])
+        items[:] = items[index::count]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -30,9 +30,9 @@ def rel_error(out, ref):
 
 def _join(rank: int, init_file: str) -> None:
     """Join the two-rank NCCL group, with a hang turned into a failure: collectives time out after 90 s, and
-    a rank still running after 150 s prints every thread's stack and exits."""
+    a rank still running after 240 s prints every thread's stack and exits."""
     torch.cuda.set_device(rank)
-    faulthandler.dump_traceback_later(150, exit=True)
+    faulthandler.dump_traceback_later(240, exit=True)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=90))
 
