@@ -63,16 +63,19 @@ KERNEL_CHECK = textwrap.dedent("""
     from test_attention_kernel import case
     shapes = [dict(), dict(kv_heads=1, group=12, head_dim=64), dict(kv_heads=4, group=1, head_dim=80),
               dict(dtype=torch.float16)]
-    for seed, shape in enumerate(shapes):
+    # keys split over programs (a split holding no key of a token included), then combined
+    splits = [dict(max_seq=200, splits=3), dict(max_seq=300, splits=4, dtype=torch.float16, group=12, kv_heads=1),
+              dict(max_seq=130, splits=7)]
+    for seed, shape in enumerate(shapes + splits):
+        split = shape.pop("splits", 1)
         q, cache_k, cache_v, slots, positions, scale = case(seed, **shape)
-        out = slot_attention(q, cache_k, cache_v, slots, positions, scale)
+        out = slot_attention(q, cache_k, cache_v, slots, positions, scale, splits=split)
         expected = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, scale)
         tolerance = 1e-5 if q.dtype == torch.float32 else 2e-3
         torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
         assert out.dtype == q.dtype
     print("kernel matches")
 """)
-
 
 def test_kernel_under_the_triton_interpreter_matches_the_reference():
     pytest.importorskip("triton")
@@ -83,26 +86,47 @@ def test_kernel_under_the_triton_interpreter_matches_the_reference():
     assert "kernel matches" in done.stdout
 
 
-def test_kernel_builds_for_hopper_without_a_gpu():
+def test_key_splits_only_for_few_tokens_over_a_long_cache(monkeypatch):
+    from piecewise.kernels import attention
+
+    monkeypatch.setattr(attention, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert attention.key_splits(1, 8, 513, cuda) == 1  # a short cache: one launch
+    assert attention.key_splits(1, 8, 8192, cuda) == 8  # 1024 positions per split at least
+    assert attention.key_splits(4, 8, 65536, cuda) == 9  # two programs per multiprocessor
+    assert attention.key_splits(32, 8, 65536, cuda) == 1  # enough programs already
+
+
+def _build(kernel, signature: dict, constants: dict):
     pytest.importorskip("triton")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from piecewise.kernels import attention
-
-    names = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "slots_ptr", "positions_ptr", "scale", "stride_q_token",
-             "stride_q_head", "stride_k_slot", "stride_k_pos", "stride_k_head", "stride_v_slot", "stride_v_pos",
-             "stride_v_head", "stride_out_token", "stride_out_head"]
-    types = ["*bf16"] * 4 + ["*i64", "*i64", "fp32"] + ["i32"] * 10
-    constants = {"GROUP": 12, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "PRECISION": "tf32",
-                 "INTERPRETED_KEYS": 0}
-    signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
-    source = ASTSource(fn=attention._slot_attention_kernel, signature=signature, constexprs=constants)
+    source = ASTSource(fn=kernel, signature=signature | {name: "constexpr" for name in constants}, constexprs=constants)
     try:
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     except RuntimeError as exc:
         if "ptxas" in str(exc).lower() and "not found" in str(exc).lower():
             pytest.skip(f"no ptxas here: {exc}")
         raise
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_kernels_build_for_hopper_without_a_gpu(splits):
+    pytest.importorskip("triton")
+    from piecewise.kernels import attention
+
+    names = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_ptr", "stats_ptr", "slots_ptr", "positions_ptr", "scale",
+             "stride_q_token", "stride_q_head", "stride_k_slot", "stride_k_pos", "stride_k_head", "stride_v_slot",
+             "stride_v_pos", "stride_v_head", "stride_out_token", "stride_out_head"]
+    types = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i64", "*i64", "fp32"] + ["i32"] * 10
+    constants = {"Q_HEADS": 96, "GROUP": 12, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64,
+                 "SPLITS": splits, "CHUNK": 1024, "PRECISION": "tf32", "INTERPRETED": False}
+    kernel = _build(attention._slot_attention_kernel, dict(zip(names, types)), constants)
     assert "mma" in kernel.asm["ptx"]
+    if splits > 1:
+        names = ["part_ptr", "stats_ptr", "out_ptr", "stride_out_token", "stride_out_head"]
+        constants = {"Q_HEADS": 96, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS": splits, "BLOCK_S": 8}
+        assert _build(attention._combine_kernel, dict(zip(names, ["*fp32", "*fp32", "*bf16", "i32", "i32"])),
+                      constants).asm["ptx"]

@@ -29,6 +29,22 @@ def test_kernel_matches_the_reference(dtype, q_heads, kv_heads, head_dim, tokens
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits", [None, 2, 5, 32])
+def test_keys_split_over_programs_match_the_reference(dtype, splits):
+    """A long cache and few tokens (``key_splits`` picks several splits), or a forced number of splits."""
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    cache_k = torch.randn(4, 9000, 8, 128, device="cuda", generator=generator).to(dtype)
+    cache_v = torch.randn(4, 9000, 8, 128, device="cuda", generator=generator).to(dtype)
+    slots = torch.tensor([3, 0, 3], device="cuda")
+    positions = torch.tensor([8999, 5, 4100], device="cuda")  # the second token's keys lie in split 0 only
+    q = torch.randn(3, 96, 128, device="cuda", generator=generator).to(dtype)
+    out = slot_attention(q, cache_k, cache_v, slots, positions, 0.088, splits=splits)
+    expected = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, 0.088)
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
 def test_kernel_replays_in_a_cuda_graph_with_new_slots_and_positions():
     torch.manual_seed(0)
     cache_k = torch.randn(16, 300, 8, 128, device="cuda", dtype=torch.bfloat16)

@@ -4,13 +4,15 @@
 ``slots[t]`` and sits at ``positions[t]``; it attends causally over ``cache_k[slots[t], :positions[t] + 1]``
 (cache [sequences, max_seq, Hkv, D]). One program per (token, KV head) reads only that prefix of its
 sequence's cache, with the query heads that share the KV head stacked as the rows of ``tl.dot``, and an
-online softmax in float32 (flash decoding without the split over keys). No host sync and no copy of the cache:
-a decode step of B sequences is one launch per layer whatever the slots are. It also runs under
-``TRITON_INTERPRET=1``. ``slot_attention_reference`` is the same computation in PyTorch, one sequence at a time.
+online softmax in float32. No host sync and no copy of the cache: a decode step of B sequences is one launch
+per layer whatever the slots are. When few tokens meet a long cache (one sequence decoding over a long
+context) the keys are split over several programs per (token, KV head), as flash decoding does, and a second
+launch combines their partial softmaxes (``key_splits``). It also runs under ``TRITON_INTERPRET=1``. ``slot_attention_reference`` is the same computation in PyTorch, one sequence at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,16 +60,19 @@ if triton is not None:
 
     @triton.jit
     def _slot_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, scale,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, slots_ptr, positions_ptr, scale,
         stride_q_token, stride_q_head, stride_k_slot, stride_k_pos, stride_k_head,
         stride_v_slot, stride_v_pos, stride_v_head, stride_out_token, stride_out_head,
-        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED_KEYS: tl.constexpr,
+        Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     ):
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         position = tl.load(positions_ptr + token).to(tl.int32)
+        first = split * CHUNK  # this program's keys: first .. min(first + CHUNK, position + 1) - 1
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         g_ok = g < GROUP
@@ -80,46 +85,112 @@ if triton is not None:
         row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        # The interpreter cannot bound a loop by a loaded value: there, every key, masked past the position.
-        for start in range(0, INTERPRETED_KEYS if INTERPRETED_KEYS else position + 1, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
+        # The interpreter cannot bound a loop by a loaded value: there, the whole chunk, masked past the position.
+        for offset in range(0, CHUNK if INTERPRETED else tl.minimum(CHUNK, position + 1 - first), BLOCK_N):
+            n = first + offset + tl.arange(0, BLOCK_N)
             n_ok = n <= position
             k = tl.load(k_base + n[:, None] * stride_k_pos + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where(n_ok[None, :], s, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(s, 1))
-            p = tl.exp(s - new_max[:, None])
-            alpha = tl.exp(row_max - new_max)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: exp(-inf) = 0, not NaN
+            p = tl.exp(s - shift[:, None])
+            alpha = tl.exp(row_max - shift)
             row_sum = row_sum * alpha + tl.sum(p, 1)
             v = tl.load(v_base + n[:, None] * stride_v_pos + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             row_max = new_max
-        out = acc / row_sum[:, None]
-        tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        ok = g_ok[:, None] & d_ok[None, :]
+        if SPLITS == 1:
+            out = acc / row_sum[:, None]
+            tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=ok)
+        else:  # this split's unnormalised sum, its max and its softmax denominator, for _combine_kernel
+            row = (token * Q_HEADS + heads) * SPLITS + split
+            tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=ok)
+            tl.store(stats_ptr + row * 2, row_max, mask=g_ok)
+            tl.store(stats_ptr + row * 2 + 1, row_sum, mask=g_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        part_ptr, stats_ptr, out_ptr, stride_out_token, stride_out_head,
+        Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        split = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        s_ok = split < SPLITS
+        row = (token * Q_HEADS + head) * SPLITS + split
+        row_max = tl.load(stats_ptr + row * 2, mask=s_ok, other=float("-inf"))
+        row_sum = tl.load(stats_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+        top = tl.max(row_max, 0)  # finite: split 0 holds key 0, which every position sees
+        weight = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - top))
+        part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & (d < HEAD_DIM)[None, :],
+                       other=0.0)
+        out = tl.sum(part * weight[:, None], 0) / tl.sum(row_sum * weight, 0)
+        tl.store(out_ptr + token * stride_out_token + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty),
+                 mask=d < HEAD_DIM)
+
+
+SPLIT_KEYS = 1024
+"""Fewest cache positions per split of the keys; caches shorter than two of them are never split."""
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def key_splits(tokens: int, kv_heads: int, max_seq: int, device: torch.device) -> int:
+    """How many programs share one (token, KV head)'s keys: enough for two per multiprocessor when there are
+    few tokens and a long cache (a single sequence decoding over a long context), at least ``SPLIT_KEYS``
+    cache positions each; 1 otherwise."""
+    programs = tokens * kv_heads
+    multiprocessors = _multiprocessors(device)
+    if max_seq < 2 * SPLIT_KEYS or programs >= multiprocessors:
+        return 1
+    return max(1, min(-(-2 * multiprocessors // programs), max_seq // SPLIT_KEYS))
 
 
 def slot_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                   positions: torch.Tensor, scale: float) -> torch.Tensor:
+                   positions: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
     """q [T, Hq, D], cache_k / cache_v [sequences, max_seq, Hkv, D] (the call's keys already written),
-    slots / positions [T] → [T, Hq, D]. Triton kernel; positions past ``max_seq`` are the caller's to refuse."""
+    slots / positions [T] → [T, Hq, D]. Triton kernel; positions past ``max_seq`` are the caller's to refuse.
+    ``splits`` (default ``key_splits``): programs per (token, KV head), each over a contiguous share of the
+    cache, then one combining launch; 1 is a single launch."""
     if triton is None:
         raise RuntimeError("slot_attention needs Triton: use slot_attention_reference")
     tokens, q_heads, head_dim = q.shape
-    kv_heads = cache_k.shape[2]
+    max_seq, kv_heads = cache_k.shape[1], cache_k.shape[2]
     group = q_heads // kv_heads
     if q.stride(2) != 1 or cache_k.stride(3) != 1 or cache_v.stride(3) != 1:
         raise ValueError("slot_attention needs the head dimension contiguous in q and in the cache")
     out = torch.empty_like(q)
     if tokens == 0:
         return out
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _slot_attention_kernel[(tokens, kv_heads)](
-        q, cache_k, cache_v, out, slots, positions, scale,
+    if splits is None:
+        splits = key_splits(tokens, kv_heads, max_seq, q.device)
+    chunk = -(-max_seq // max(1, splits) // BLOCK_N) * BLOCK_N  # ⌈max_seq / splits⌉ in whole key blocks
+    splits = -(-max_seq // chunk)  # no split without cache positions
+    if splits > 1:
+        part = torch.empty(tokens, q_heads, splits, head_dim, device=q.device, dtype=torch.float32)
+        stats = torch.empty(tokens, q_heads, splits, 2, device=q.device, dtype=torch.float32)
+    else:
+        part = stats = out  # not written
+    _slot_attention_kernel[(tokens, kv_heads, splits)](
+        q, cache_k, cache_v, out, part, stats, slots, positions, scale,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N, PRECISION=precision,
-        INTERPRETED_KEYS=cache_k.shape[1] if os.environ.get("TRITON_INTERPRET") == "1" else 0, num_warps=4,
+        Q_HEADS=q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N, SPLITS=splits, CHUNK=chunk,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4,
     )
+    if splits > 1:
+        _combine_kernel[(tokens, q_heads)](
+            part, stats, out, out.stride(0), out.stride(1), Q_HEADS=q_heads, HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim), SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        )
     return out
