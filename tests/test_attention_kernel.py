@@ -130,3 +130,13 @@ def test_kernels_build_for_hopper_without_a_gpu(splits):
         constants = {"Q_HEADS": 96, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS": splits, "BLOCK_S": 8}
         assert _build(attention._combine_kernel, dict(zip(names, ["*fp32", "*fp32", "*bf16", "i32", "i32"])),
                       constants).asm["ptx"]
+
+
+def test_attend_runs_the_reference_on_cpu_for_one_sequence_and_for_slots():
+    from piecewise.kernels.attention import attend, attend_over_cache
+
+    q, cache_k, cache_v, slots, positions, scale = case(5)
+    torch.testing.assert_close(attend(q, cache_k, cache_v, positions, scale, slots),
+                               slot_attention_reference(q, cache_k, cache_v, slots, positions, scale))
+    one = attend(q, cache_k[1], cache_v[1], positions, scale)
+    torch.testing.assert_close(one, attend_over_cache(q, cache_k[1], cache_v[1], positions, scale).view(q.shape))

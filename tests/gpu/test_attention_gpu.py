@@ -61,3 +61,18 @@ def test_kernel_replays_in_a_cuda_graph_with_new_slots_and_positions():
     graph.replay()
     expected = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, 0.1)
     torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 13, 512, 513])
+def test_one_sequence_through_attend_matches_attention_over_its_cache(tokens):
+    """The single-sequence path of ``attend`` (the example models' attention op): kernel up to 512 tokens."""
+    from piecewise.kernels.attention import attend, attend_over_cache
+
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+    cache_k = torch.randn(1024, 4, 64, device="cuda", generator=generator).to(torch.bfloat16)
+    cache_v = torch.randn(1024, 4, 64, device="cuda", generator=generator).to(torch.bfloat16)
+    q = torch.randn(tokens, 16, 64, device="cuda", generator=generator).to(torch.bfloat16)
+    positions = torch.arange(tokens, device="cuda") + 300
+    out = attend(q, cache_k, cache_v, positions)
+    expected = attend_over_cache(q.float(), cache_k.float(), cache_v.float(), positions).view(q.shape)
+    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import attention as slot_kernels
+from ..kernels.attention import attend
 from ..kernels.nvfp4 import quantize_linears
 from ..models.attention import attention as cached_attention
 from ..models.glm_moe import NVFP4Experts, moe_experts
@@ -40,8 +40,6 @@ from ..opaque import opaque_op
 from ..parallel import reduce_partial
 
 NAME = "piecewise"
-SLOT_KERNEL_TOKENS = 512
-"""Most tokens per call for the one-launch slot attention; past it, prefill is cheaper one sequence at a time."""
 
 
 def _attention_fake(q, k, v, scaling):
@@ -69,14 +67,12 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     of sequence ``slots[t]``. Its keys and values go to ``kv_cache[layer, :, slots[t], positions[t]]`` (cache
     [layers, 2, sequences, max_seq, Hkv, D]); then each token attends causally over its sequence's cache.
 
-    On CUDA, calls of up to ``SLOT_KERNEL_TOKENS`` tokens (decode steps, short prefills) run one Triton launch
-    for all sequences (``kernels.attention``); longer calls and CPU run one attention per sequence."""
+    On CUDA, calls of up to 512 tokens (decode steps, short prefills) run one Triton launch for all sequences
+    (``kernels.attention.attend``); longer calls and CPU run one attention per sequence."""
     cache = kv_cache[layer]
     cache[0][slots, positions] = k
     cache[1][slots, positions] = v
-    if q.is_cuda and slot_kernels.triton is not None and q.shape[0] <= SLOT_KERNEL_TOKENS:
-        return slot_kernels.slot_attention(q, cache[0], cache[1], slots, positions, scale)
-    return slot_kernels.slot_attention_reference(q, cache[0], cache[1], slots, positions, scale)
+    return attend(q, cache[0], cache[1], positions, scale, slots)
 
 
 _UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")

@@ -165,8 +165,10 @@ def slot_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     tokens, q_heads, head_dim = q.shape
     max_seq, kv_heads = cache_k.shape[1], cache_k.shape[2]
     group = q_heads // kv_heads
-    if q.stride(2) != 1 or cache_k.stride(3) != 1 or cache_v.stride(3) != 1:
-        raise ValueError("slot_attention needs the head dimension contiguous in q and in the cache")
+    if cache_k.stride(3) != 1 or cache_v.stride(3) != 1:
+        raise ValueError("slot_attention needs the head dimension contiguous in the cache (make it with torch.zeros)")
+    if q.stride(2) != 1:
+        q = q.contiguous()
     out = torch.empty_like(q)
     if tokens == 0:
         return out
@@ -194,3 +196,24 @@ def slot_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
             BLOCK_D=triton.next_power_of_2(head_dim), SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
         )
     return out
+
+
+KERNEL_TOKENS = 512
+"""Most tokens per call for the Triton kernel; past it (prefill) one attention per sequence is cheaper."""
+
+
+def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
+           scale: float | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the call's tokens over a KV cache that already holds their keys → [T, Hq, D].
+
+    ``slots`` None: one sequence, cache [max_seq, Hkv, D]; else token t is in sequence ``slots[t]`` of a cache
+    [sequences, max_seq, Hkv, D]. On CUDA, up to ``KERNEL_TOKENS`` tokens run the Triton kernel; otherwise the
+    PyTorch reference runs."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if q.is_cuda and triton is not None and q.shape[0] <= KERNEL_TOKENS:
+        if slots is None:
+            cache_k, cache_v, slots = cache_k.unsqueeze(0), cache_v.unsqueeze(0), torch.zeros_like(positions)
+        return slot_attention(q, cache_k, cache_v, slots, positions, scale)
+    if slots is None:
+        return attend_over_cache(q, cache_k, cache_v, positions, scale).view(q.shape)
+    return slot_attention_reference(q, cache_k, cache_v, slots, positions, scale)

@@ -1,14 +1,15 @@
 """Attention as a splitting op: writes the new keys/values into the KV cache, attends causally.
 
 One sequence per call (``positions`` are the token positions within it). The op runs eagerly between
-captured pieces and sees only the real tokens.
+captured pieces and sees only the real tokens; on CUDA, up to 512 tokens attend in one Triton launch
+(``kernels.attention``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import attend_over_cache
+from ..kernels.attention import attend
 from ..opaque import opaque_op
 
 
@@ -27,4 +28,4 @@ def attention(
     cache = kv_cache[layer]
     cache[0].index_copy_(0, positions, k)
     cache[1].index_copy_(0, positions, v)
-    return attend_over_cache(q, cache[0], cache[1], positions, scale)
+    return attend(q, cache[0], cache[1], positions, scale).reshape(q.shape[0], -1)
