@@ -1,5 +1,7 @@
 """The piecewise pipeline on CPU: same trace, split, padding and buffers as on CUDA, pieces run without graphs."""
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -149,6 +151,56 @@ def test_forward_that_branches_on_the_token_count_is_refused():
     runner = piecewise.compile(Branchy(), piecewise.CaptureConfig(max_tokens=8))
     with pytest.raises(ValueError, match=r"depends on the token count.*x.shape\[0\] > 4.*capture size"):
         runner(torch.randn(6, 4))
+
+
+@piecewise.opaque_op("piecewise_tests::running_sum", fake=lambda x, store: torch.empty_like(x),
+                      mutates_args=("store",), split=True)
+def running_sum(x: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+    """Adds the call's column sums to ``store`` (state kept across calls, like a KV cache), returns x + store."""
+    store += x.sum(0)
+    return x + store
+
+
+class WithOptionalState(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, store=None):
+        h = self.first(x)
+        if store is not None:
+            h = running_sum(h, store)
+        return self.second(h)
+
+
+def test_a_state_tensor_first_passed_after_the_first_call_is_updated_in_place():
+    """First call without the state (None), then with it: the retrace reads and writes the caller's tensor in
+    place (it used to run on a private copy, losing the updates), and one-token calls after the retrace at 5
+    tokens stay correct."""
+    torch.manual_seed(0)
+    model = WithOptionalState()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    store, expected_store = torch.zeros(4), torch.zeros(4)
+    inputs = [torch.randn(tokens, 4) for tokens in (5, 1, 1, 3, 1)]
+    with torch.no_grad():
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(runner(x), model(x))
+        with pytest.warns(UserWarning, match="traced again"):
+            runner(inputs[0], store)
+        model(inputs[0], expected_store)
+        for x in inputs[1:]:
+            torch.testing.assert_close(runner(x, store), model(x, expected_store))
+            torch.testing.assert_close(store, expected_store)
+    assert runner.stats["traces"] == 2
+    # a retrace at one token is not specialised to it either (it used to trace a third time at 3 tokens)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    store = torch.zeros(4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner(torch.randn(3, 4))
+        for tokens in (1, 3, 1):
+            runner(torch.randn(tokens, 4), store)
+    assert runner.stats["traces"] == 2
 
 
 def test_changed_python_argument_retraces_with_one_warning_and_stays_correct():

@@ -165,6 +165,11 @@ class PiecewiseModel:
         return count
 
     def _check_static(self, arguments: dict[str, Any]) -> None:
+        if self._prepared:  # a static tensor first given after the first call (None before): read in place too
+            for name, value in arguments.items():
+                if isinstance(value, torch.Tensor) and name not in self._dynamic and name not in self._static_ptrs:
+                    self._static_ptrs[name] = value.data_ptr()
+                    self.state.stable_ptrs.add(value.data_ptr())
         for name, pointer in self._static_ptrs.items():
             value = arguments.get(name)
             if not isinstance(value, torch.Tensor):
