@@ -16,16 +16,20 @@ from piecewise.kernels.attention import slot_attention_reference
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def per_token(q, cache_k, cache_v, slots, positions, scale):
-    """Each query head of each token over keys 0..position of its sequence, with an explicit softmax."""
+def per_token(q, cache_k, cache_v, slots, positions, scale, window=0, softcap=0.0):
+    """Each query head of each token over keys 0..position of its sequence (the last ``window`` of them), with
+    an explicit (soft-capped) softmax."""
     group = q.shape[1] // cache_k.shape[2]
     out = torch.empty_like(q)
     for t in range(q.shape[0]):
-        keys = cache_k[slots[t], : positions[t] + 1].double()
-        values = cache_v[slots[t], : positions[t] + 1].double()
+        first = max(0, int(positions[t]) - window + 1) if window else 0
+        keys = cache_k[slots[t], first : positions[t] + 1].double()
+        values = cache_v[slots[t], first : positions[t] + 1].double()
         for h in range(q.shape[1]):
-            weights = torch.softmax(keys[:, h // group] @ q[t, h].double() * scale, dim=0)
-            out[t, h] = (weights @ values[:, h // group]).to(q.dtype)
+            scores = keys[:, h // group] @ q[t, h].double() * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[t, h] = (torch.softmax(scores, dim=0) @ values[:, h // group]).to(q.dtype)
     return out
 
 
@@ -40,9 +44,11 @@ def case(seed, sequences=4, max_seq=70, kv_heads=2, group=3, head_dim=32, dtype=
     return q, cache_k, cache_v, slots, positions, 1 / math.sqrt(head_dim)
 
 
-def test_reference_is_causal_attention_of_each_token_over_its_own_sequence():
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (1, 0.0), (0, 2.0), (70, 1.5)])
+def test_reference_is_causal_attention_of_each_token_over_its_own_sequence(window, softcap):
     args = case(0)
-    torch.testing.assert_close(slot_attention_reference(*args), per_token(*args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(slot_attention_reference(*args, window, softcap), per_token(*args, window, softcap),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_reference_ignores_keys_past_each_position_and_other_sequences():
@@ -66,11 +72,15 @@ KERNEL_CHECK = textwrap.dedent("""
     # keys split over programs (a split holding no key of a token included), then combined
     splits = [dict(max_seq=200, splits=3), dict(max_seq=300, splits=4, dtype=torch.float16, group=12, kv_heads=1),
               dict(max_seq=130, splits=7)]
-    for seed, shape in enumerate(shapes + splits):
-        split = shape.pop("splits", 1)
+    # sliding windows (within a block, across blocks and splits) and soft-capped scores
+    variants = [dict(window=5), dict(window=1, splits=2, max_seq=200), dict(window=70, splits=3, max_seq=200),
+                dict(softcap=2.0), dict(window=100, softcap=1.5, splits=4, max_seq=300, dtype=torch.float16)]
+    for seed, shape in enumerate(shapes + splits + variants):
+        split, window, softcap = shape.pop("splits", 1), shape.pop("window", 0), shape.pop("softcap", 0.0)
         q, cache_k, cache_v, slots, positions, scale = case(seed, **shape)
-        out = slot_attention(q, cache_k, cache_v, slots, positions, scale, splits=split)
-        expected = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, scale)
+        out = slot_attention(q, cache_k, cache_v, slots, positions, scale, window, softcap, splits=split)
+        expected = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, scale,
+                                            window, softcap)
         tolerance = 1e-5 if q.dtype == torch.float32 else 2e-3
         torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
         assert out.dtype == q.dtype
@@ -118,11 +128,12 @@ def test_kernels_build_for_hopper_without_a_gpu(splits):
     from piecewise.kernels import attention
 
     names = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_ptr", "stats_ptr", "slots_ptr", "positions_ptr", "scale",
-             "stride_q_token", "stride_q_head", "stride_k_slot", "stride_k_pos", "stride_k_head", "stride_v_slot",
+             "window", "softcap", "stride_q_token", "stride_q_head", "stride_k_slot", "stride_k_pos", "stride_k_head", "stride_v_slot",
              "stride_v_pos", "stride_v_head", "stride_out_token", "stride_out_head"]
-    types = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i64", "*i64", "fp32"] + ["i32"] * 10
+    types = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i64", "*i64", "fp32", "i32", "fp32"] + ["i32"] * 10
     constants = {"Q_HEADS": 96, "GROUP": 12, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64,
-                 "SPLITS": splits, "CHUNK": 1024, "PRECISION": "tf32", "INTERPRETED": False}
+                 "SPLITS": splits, "CHUNK": 1024, "PRECISION": "tf32", "INTERPRETED": False,
+                 "WINDOW": splits > 1, "SOFTCAP": splits > 1}
     kernel = _build(attention._slot_attention_kernel, dict(zip(names, types)), constants)
     assert "mma" in kernel.asm["ptx"]
     if splits > 1:

@@ -158,24 +158,78 @@ def test_transformers_grouped_mm_experts_stay_inside_the_pieces():
     assert runner.stats["pieces"] == 3 + 1 and runner.stats["graph_breaks"] == 0
 
 
-def test_attention_the_piecewise_op_would_get_wrong_is_refused():
+def windowed_models():
+    """Mistral with a 4-token sliding window on every layer; Gemma 2 with alternating sliding (window 3) and full
+    layers and attention-logit softcapping (small, so that it bends the scores)."""
+    torch.manual_seed(0)
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, sliding_window=4))
-    with pytest.raises(ValueError, match=r"sliding_window=4 \(set config.sliding_window = None"):
-        enable(mistral)
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4)).eval()
     gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16))
-    with pytest.raises(ValueError, match="layer_types.*sliding_attention.*attn_logit_softcapping=50.0"):
-        enable(gemma)
-    mistral.config.sliding_window = None  # no window: plain causal attention, which the op computes
-    ids = torch.randint(0, 64, (6,))
-    expected = hf_logits(mistral, ids)
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=3, attn_logit_softcapping=0.5,
+        final_logit_softcapping=None)).eval()
+    assert gemma.config.layer_types == ["sliding_attention", "full_attention"]
+    return {"mistral-window": mistral, "gemma2-window-softcap": gemma}
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window-softcap"])
+def test_sliding_windows_and_softcapping_equal_transformers(name):
+    """Without a cache, with one sequence's cache (prefill then decode steps), and with slots: logits equal
+    transformers' eager forward over the whole sequence, past the window."""
+    model = windowed_models()[name]
+    ids = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(4))
+    expected = hf_logits(model, ids)
+    plain = hf_logits(transformers.AutoModelForCausalLM.from_config(model.config).eval(), ids)  # a different model
+    token_model = TokenModel(enable(model))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
     with torch.no_grad():
-        torch.testing.assert_close(TokenModel(enable(mistral))(ids, torch.arange(6)), expected, rtol=1e-5, atol=1e-5)
-        with pytest.raises(ValueError, match="takes no attention_mask"):
-            mistral(input_ids=ids[None], attention_mask=torch.ones(1, 6, dtype=torch.long), use_cache=False)
+        torch.testing.assert_close(runner(ids, torch.arange(10)), expected, rtol=1e-5, atol=1e-5)
+        cache = token_model.make_kv_cache(max_seq_len=16)
+        torch.testing.assert_close(runner(ids[:5], torch.arange(5), cache), expected[:5], rtol=1e-5, atol=1e-5)
+        for position in range(5, 10):
+            step = runner(ids[position : position + 1], torch.tensor([position]), cache)
+            torch.testing.assert_close(step[0], expected[position], rtol=1e-5, atol=1e-5)
+        slots_cache = token_model.make_kv_cache(max_seq_len=16, sequences=2)
+        out = TokenModel(model)(ids, torch.arange(10), slots_cache, torch.ones(10, dtype=torch.long))
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain, expected)  # sanity: the check is not trivially satisfied
+
+
+def test_windows_matter_to_these_models():
+    """Without its window (or softcap) each model computes other logits: the test above checks them."""
+    for name, model in windowed_models().items():
+        ids = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(4))
+        expected = hf_logits(model, ids)
+        model.config.sliding_window = 10_000
+        if name.startswith("gemma"):
+            model.config.attn_logit_softcapping = None
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = None
+        for layer in model.model.layers:
+            if getattr(layer.self_attn, "sliding_window", None):
+                layer.self_attn.sliding_window = 10_000
+        assert not torch.allclose(hf_logits(model, ids), expected, rtol=1e-3, atol=1e-3), name
+
+
+def test_attention_the_piecewise_op_would_get_wrong_is_refused():
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1))
+    llama.config.layer_types = ["chunked_attention"]
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\] \(full and sliding-window"):
+        enable(llama)
+    llama.config.layer_types = ["full_attention"]
+    enable(llama)
+    from piecewise.integrations.transformers import attention_forward
+
+    q = torch.randn(1, 2, 3, 16)
+    kv = torch.randn(1, 1, 3, 16)
+    with pytest.raises(ValueError, match=r"attention sinks \(s_aux\)"):
+        attention_forward(llama.model.layers[0].self_attn, q, kv, kv, None, s_aux=torch.zeros(2))
+    ids = torch.randint(0, 64, (6,))
+    with torch.no_grad(), pytest.raises(ValueError, match="takes no attention_mask"):
+        llama(input_ids=ids[None], attention_mask=torch.ones(1, 6, dtype=torch.long), use_cache=False)
 
 
 def test_experts_of_another_activation_are_refused():

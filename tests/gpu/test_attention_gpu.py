@@ -76,3 +76,20 @@ def test_one_sequence_through_attend_matches_attention_over_its_cache(tokens):
     out = attend(q, cache_k, cache_v, positions)
     expected = attend_over_cache(q.float(), cache_k.float(), cache_v.float(), positions).view(q.shape)
     torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize(("window", "softcap", "splits"), [(4096, 0.0, None), (100, 0.0, 1), (1, 0.0, 3),
+                                                            (0, 50.0, None), (512, 30.0, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sliding_windows_and_softcapping_match_the_reference(window, softcap, splits, dtype):
+    generator = torch.Generator(device="cuda").manual_seed(window + int(softcap))
+    cache_k = torch.randn(4, 9000, 8, 128, device="cuda", generator=generator).to(dtype)
+    cache_v = torch.randn(4, 9000, 8, 128, device="cuda", generator=generator).to(dtype)
+    slots = torch.tensor([3, 0, 3, 1], device="cuda")
+    positions = torch.tensor([8999, 5, 4100, 70], device="cuda")
+    q = (4 * torch.randn(4, 64, 128, device="cuda", generator=generator)).to(dtype)
+    out = slot_attention(q, cache_k, cache_v, slots, positions, 0.088, window, softcap, splits=splits)
+    expected = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, 0.088, window,
+                                        softcap)
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)

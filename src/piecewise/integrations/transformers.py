@@ -17,9 +17,11 @@ transformers' experts interface (stacked ``gate_up_proj`` / ``down_proj``, SwiGL
 named ``"piecewise"``, and selects them in the model's config. Attention runs eagerly between pieces on the
 real tokens: causal over the tokens of the call without a KV cache, or, given one (``kv_cache``
 [layers, 2, max_seq_len, kv heads, head_dim], transformers' own Cache objects are not used), it writes the
-call's keys and values at ``position_ids`` and attends causally over the cache (``models.attention``).
-The experts run through ``piecewise.models.glm_moe.moe_experts``, also a splitting op (their loop over the
-experts that got tokens is data dependent). ``TokenModel`` gives the model the token-major call piecewise pads:
+call's keys and values at ``position_ids`` and attends causally over the cache (``kernels.attention``), with
+the layer's sliding window and logit softcap where the model asks for them. With ``slots`` the tokens of many
+sequences share one call. The experts run through ``piecewise.models.glm_moe.moe_experts``, also a splitting
+op (their loop over the experts that got tokens is data dependent), or, with NVFP4 weights, the grouped op
+captured in the pieces. ``TokenModel`` gives the model the token-major call piecewise pads:
 ``input_ids`` and ``position_ids`` of shape [T]. ``quantize`` gives an enabled model NVFP4 weights (W4A16);
 ``tensor_parallel`` shards it over a process group, routed experts included.
 """
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.attention import attend
+from ..kernels.attention import attend, attend_over_cache
 from ..kernels.nvfp4 import quantize_linears
 from ..models.attention import attention as cached_attention
 from ..models.glm_moe import NVFP4Experts, moe_experts
@@ -42,13 +44,18 @@ from ..parallel import reduce_partial
 NAME = "piecewise"
 
 
-def _attention_fake(q, k, v, scaling):
+def _attention_fake(q, k, v, scaling, window=0, softcap=0.0):
     return q.new_empty(q.shape)
 
 
 @opaque_op("piecewise_hf::causal_attention", fake=_attention_fake, split=True)
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal attention of one sequence, token-major: q [T, Hq, D], k / v [T, Hkv, D] → [T, Hq, D]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of one sequence, token-major: q [T, Hq, D], k / v [T, Hkv, D] → [T, Hq, D];
+    ``window`` / ``softcap`` as in ``kernels.attention.attend_over_cache``."""
+    if window > 0 or softcap > 0:  # the call's keys as a cache at positions 0..T-1
+        positions = torch.arange(q.shape[0], device=q.device)
+        return attend_over_cache(q, k, v, positions, scaling, window, softcap).view(q.shape)
     group = q.shape[1] // k.shape[1]
     keys = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T, D]
     values = v.repeat_interleave(group, dim=1).transpose(0, 1)
@@ -56,13 +63,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     return out.transpose(0, 1)
 
 
-def _slot_attention_fake(q, k, v, positions, slots, kv_cache, layer, scale):
+def _slot_attention_fake(q, k, v, positions, slots, kv_cache, layer, scale, window=0, softcap=0.0):
     return q.new_empty(q.shape)
 
 
 @opaque_op("piecewise_hf::slot_attention", fake=_slot_attention_fake, mutates_args=("kv_cache",), split=True)
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   kv_cache: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+                   kv_cache: torch.Tensor, layer: int, scale: float, window: int = 0,
+                   softcap: float = 0.0) -> torch.Tensor:
     """Tokens of several sequences, token-major (q [T, Hq, D], k / v [T, Hkv, D]): token t is at ``positions[t]``
     of sequence ``slots[t]``. Its keys and values go to ``kv_cache[layer, :, slots[t], positions[t]]`` (cache
     [layers, 2, sequences, max_seq, Hkv, D]); then each token attends causally over its sequence's cache.
@@ -72,19 +80,17 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     cache = kv_cache[layer]
     cache[0][slots, positions] = k
     cache[1][slots, positions] = v
-    return attend(q, cache[0], cache[1], positions, scale, slots)
-
-
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
+    return attend(q, cache[0], cache[1], positions, scale, slots, window, softcap)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention interface: q [1, Hq, T, D], k / v [1, Hkv, T, D] → ([1, T, Hq, D], None)."""
-    used = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
-    if used or not getattr(module, "is_causal", True):
+    """transformers' attention interface: q [1, Hq, T, D], k / v [1, Hkv, T, D] → ([1, T, Hq, D], None).
+    Sliding windows (``sliding_window``) and logit softcapping (``softcap``) are computed; attention sinks
+    (``s_aux``) and non-causal modules are refused."""
+    if kwargs.get("s_aux") is not None or not getattr(module, "is_causal", True):
         raise ValueError(
-            f"{type(module).__name__} asks for {', '.join(used) or 'non-causal attention'}, which the piecewise "
-            f"attention does not compute: leave this model's attn_implementation as it was"
+            f"{type(module).__name__} asks for {'attention sinks (s_aux)' if kwargs.get('s_aux') is not None else 'non-causal attention'}, "
+            f"which the piecewise attention does not compute: leave this model's attn_implementation as it was"
         )
     if query.shape[0] != 1:
         raise ValueError(
@@ -92,15 +98,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             f"model through piecewise.integrations.transformers.TokenModel"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = int(kwargs.get("sliding_window") or 0)
+    softcap = float(kwargs.get("softcap") or 0.0)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # token-major [T, H, D]
     kv_cache = kwargs.get("piecewise_kv_cache")
     if kv_cache is None:
-        return causal_attention(q, k, v, scale).unsqueeze(0), None
+        return causal_attention(q, k, v, scale, window, softcap).unsqueeze(0), None
     positions = kwargs["position_ids"][0]
     slots = kwargs.get("piecewise_slots")
     if slots is not None:
-        return slot_attention(q, k, v, positions, slots, kv_cache, module.layer_idx, scale).unsqueeze(0), None
-    out = cached_attention(q, k, v, positions, kv_cache, module.layer_idx, scale)
+        out = slot_attention(q, k, v, positions, slots, kv_cache, module.layer_idx, scale, window, softcap)
+        return out.unsqueeze(0), None
+    out = cached_attention(q, k, v, positions, kv_cache, module.layer_idx, scale, window, softcap)
     return out.view(q.shape).unsqueeze(0), None
 
 
@@ -141,21 +150,17 @@ def _no_mask(*args, **kwargs):
     return None  # the attention op is causal by itself
 
 
+_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
 def _check_config(config) -> None:
     """Refuse attention variants the piecewise attention would get wrong, before any forward."""
-    problems = []
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    if layer_types - {"full_attention"}:
-        problems.append(f"layer_types {sorted(layer_types)} (only full causal attention is supported)")
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        problems.append(
-            f"sliding_window={config.sliding_window} (set config.sliding_window = None if no sequence is longer, "
-            f"where the window has no effect)"
+    layer_types = set(getattr(config, "layer_types", None) or ()) - _LAYER_TYPES
+    if layer_types:
+        raise ValueError(
+            f"piecewise.integrations.transformers cannot run this model's attention: layer_types "
+            f"{sorted(layer_types)} (full and sliding-window causal attention are supported)"
         )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        problems.append(f"attn_logit_softcapping={config.attn_logit_softcapping}")
-    if problems:
-        raise ValueError(f"piecewise.integrations.transformers cannot run this model's attention: {'; '.join(problems)}")
 
 
 def enable(model: nn.Module, *, experts: bool = True) -> nn.Module:

@@ -29,8 +29,12 @@ BLOCK_N = 64
 
 
 def attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
-                      scale: float | None = None) -> torch.Tensor:
-    """q [T, Hq, D] of one sequence at ``positions`` attends causally over its cache [S, Hkv, D] → [T, Hq·D]."""
+                      scale: float | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q [T, Hq, D] of one sequence at ``positions`` attends causally over its cache [S, Hkv, D] → [T, Hq·D].
+
+    ``window`` > 0: only the last ``window`` positions up to the token's own (transformers' sliding window,
+    key visible when ``position - window < key ≤ position``). ``softcap`` > 0: scores become
+    ``softcap · tanh(score / softcap)`` before the softmax (Gemma 2)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = cache_k.shape[1]
     keys = cache_k.transpose(0, 1)  # [Hkv, S, D]
@@ -40,19 +44,27 @@ def attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Ten
     query = q.view(tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, group * tokens, head_dim)
     key_positions = torch.arange(cache_k.shape[0], device=q.device)
     visible = key_positions[None, :] <= positions[:, None]  # [T, S] causal over the cache
+    if window > 0:
+        visible &= key_positions[None, :] > positions[:, None] - window
     mask = visible.repeat(group, 1)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    if softcap > 0:  # SDPA has no softcap: the scores written out, softmax in float32
+        scale = scale if scale is not None else head_dim**-0.5
+        scores = (query.float() @ keys.float().transpose(1, 2)) * scale
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+        out = (torch.softmax(scores, dim=-1) @ values.float()).to(q.dtype)
+    else:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return out.view(kv_heads, group, tokens, head_dim).permute(2, 0, 1, 3).reshape(tokens, q_heads * head_dim)
 
 
 def slot_attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                             positions: torch.Tensor, scale: float) -> torch.Tensor:
+                             positions: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The PyTorch reference: ``attend_over_cache`` once per sequence in the call → [T, Hq, D]."""
     out = torch.empty_like(q)
     for slot in torch.unique(slots).tolist():
         index = (slots == slot).nonzero().squeeze(1)
-        out[index] = attend_over_cache(q[index], cache_k[slot], cache_v[slot], positions[index], scale).view(
-            index.numel(), *q.shape[1:])
+        out[index] = attend_over_cache(q[index], cache_k[slot], cache_v[slot], positions[index], scale, window,
+                                       softcap).view(index.numel(), *q.shape[1:])
     return out
 
 
@@ -60,19 +72,20 @@ if triton is not None:
 
     @triton.jit
     def _slot_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, slots_ptr, positions_ptr, scale,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, slots_ptr, positions_ptr, scale, window, softcap,
         stride_q_token, stride_q_head, stride_k_slot, stride_k_pos, stride_k_head,
         stride_v_slot, stride_v_pos, stride_v_head, stride_out_token, stride_out_head,
         Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-        PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         position = tl.load(positions_ptr + token).to(tl.int32)
-        first = split * CHUNK  # this program's keys: first .. min(first + CHUNK, position + 1) - 1
+        first = split * CHUNK  # this program's share of the cache: first .. first + CHUNK - 1
+        lowest = tl.maximum(position - window + 1, 0) if WINDOW else 0  # the sliding window's first key
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         g_ok = g < GROUP
@@ -85,12 +98,16 @@ if triton is not None:
         row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        # The interpreter cannot bound a loop by a loaded value: there, the whole chunk, masked past the position.
-        for offset in range(0, CHUNK if INTERPRETED else tl.minimum(CHUNK, position + 1 - first), BLOCK_N):
-            n = first + offset + tl.arange(0, BLOCK_N)
-            n_ok = n <= position
+        # Keys lowest .. position within this share. The interpreter cannot bound a loop by a loaded value: there,
+        # the whole share, masked.
+        base = first if INTERPRETED else tl.maximum(first, lowest)
+        for offset in range(0, CHUNK if INTERPRETED else tl.minimum(first + CHUNK, position + 1) - base, BLOCK_N):
+            n = base + offset + tl.arange(0, BLOCK_N)
+            n_ok = (n >= lowest) & (n <= position) & (n < first + CHUNK)
             k = tl.load(k_base + n[:, None] * stride_k_pos + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if SOFTCAP:
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap · tanh(s / softcap)
             s = tl.where(n_ok[None, :], s, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(s, 1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: exp(-inf) = 0, not NaN
@@ -125,7 +142,7 @@ if triton is not None:
         row = (token * Q_HEADS + head) * SPLITS + split
         row_max = tl.load(stats_ptr + row * 2, mask=s_ok, other=float("-inf"))
         row_sum = tl.load(stats_ptr + row * 2 + 1, mask=s_ok, other=0.0)
-        top = tl.max(row_max, 0)  # finite: split 0 holds key 0, which every position sees
+        top = tl.max(row_max, 0)  # finite: some split holds the token's own position
         weight = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - top))
         part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & (d < HEAD_DIM)[None, :],
                        other=0.0)
@@ -155,11 +172,13 @@ def key_splits(tokens: int, kv_heads: int, max_seq: int, device: torch.device) -
 
 
 def slot_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                   positions: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+                   positions: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                   splits: int | None = None) -> torch.Tensor:
     """q [T, Hq, D], cache_k / cache_v [sequences, max_seq, Hkv, D] (the call's keys already written),
     slots / positions [T] → [T, Hq, D]. Triton kernel; positions past ``max_seq`` are the caller's to refuse.
     ``splits`` (default ``key_splits``): programs per (token, KV head), each over a contiguous share of the
-    cache, then one combining launch; 1 is a single launch."""
+    cache, then one combining launch; 1 is a single launch. ``window`` and ``softcap`` as in
+    ``attend_over_cache``."""
     if triton is None:
         raise RuntimeError("slot_attention needs Triton: use slot_attention_reference")
     tokens, q_heads, head_dim = q.shape
@@ -182,13 +201,13 @@ def slot_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     else:
         part = stats = out  # not written
     _slot_attention_kernel[(tokens, kv_heads, splits)](
-        q, cache_k, cache_v, out, part, stats, slots, positions, scale,
+        q, cache_k, cache_v, out, part, stats, slots, positions, scale, window, float(softcap),
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1),
         Q_HEADS=q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N, SPLITS=splits, CHUNK=chunk,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=4,
     )
     if splits > 1:
         _combine_kernel[(tokens, q_heads)](
@@ -203,17 +222,18 @@ KERNEL_TOKENS = 512
 
 
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
-           scale: float | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+           scale: float | None = None, slots: torch.Tensor | None = None, window: int = 0,
+           softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of the call's tokens over a KV cache that already holds their keys → [T, Hq, D].
 
     ``slots`` None: one sequence, cache [max_seq, Hkv, D]; else token t is in sequence ``slots[t]`` of a cache
     [sequences, max_seq, Hkv, D]. On CUDA, up to ``KERNEL_TOKENS`` tokens run the Triton kernel; otherwise the
-    PyTorch reference runs."""
+    PyTorch reference runs. ``window`` / ``softcap``: see ``attend_over_cache``."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     if q.is_cuda and triton is not None and q.shape[0] <= KERNEL_TOKENS:
         if slots is None:
             cache_k, cache_v, slots = cache_k.unsqueeze(0), cache_v.unsqueeze(0), torch.zeros_like(positions)
-        return slot_attention(q, cache_k, cache_v, slots, positions, scale)
+        return slot_attention(q, cache_k, cache_v, slots, positions, scale, window, softcap)
     if slots is None:
-        return attend_over_cache(q, cache_k, cache_v, positions, scale).view(q.shape)
-    return slot_attention_reference(q, cache_k, cache_v, slots, positions, scale)
+        return attend_over_cache(q, cache_k, cache_v, positions, scale, window, softcap).view(q.shape)
+    return slot_attention_reference(q, cache_k, cache_v, slots, positions, scale, window, softcap)

@@ -13,7 +13,7 @@ from ..kernels.attention import attend
 from ..opaque import opaque_op
 
 
-def attention_fake(q, k, v, positions, kv_cache, layer, scale=None):
+def attention_fake(q, k, v, positions, kv_cache, layer, scale=None, window=0, softcap=0.0):
     """Output metadata of the attention ops: [T, Hq·D]."""
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
@@ -21,11 +21,11 @@ def attention_fake(q, k, v, positions, kv_cache, layer, scale=None):
 @opaque_op("piecewise_examples::attention", fake=attention_fake, mutates_args=("kv_cache",), split=True)
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-    scale: float | None = None,
+    scale: float | None = None, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [layers, 2, max_seq, Hkv, D] → [T, Hq·D]; ``scale`` defaults to
-    1/√D."""
+    1/√D; ``window`` (sliding window) and ``softcap`` as in ``kernels.attention.attend_over_cache``."""
     cache = kv_cache[layer]
     cache[0].index_copy_(0, positions, k)
     cache[1].index_copy_(0, positions, v)
-    return attend(q, cache[0], cache[1], positions, scale).reshape(q.shape[0], -1)
+    return attend(q, cache[0], cache[1], positions, scale, window=window, softcap=softcap).reshape(q.shape[0], -1)
