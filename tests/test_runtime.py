@@ -166,10 +166,12 @@ class WithOptionalState(torch.nn.Module):
         super().__init__()
         self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
 
-    def forward(self, x, store=None):
+    def forward(self, x, store=None, weights=None):
         h = self.first(x)
         if store is not None:
             h = running_sum(h, store)
+        if weights is not None:
+            h = h * weights[:, None]
         return self.second(h)
 
 
@@ -192,6 +194,14 @@ def test_a_state_tensor_first_passed_after_the_first_call_is_updated_in_place():
             torch.testing.assert_close(runner(x, store), model(x, expected_store))
             torch.testing.assert_close(store, expected_store)
     assert runner.stats["traces"] == 2
+    # a per-token tensor first given later is a token argument, as at the first call: a new one each call
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for tokens in (4, 2, 4):
+            x, weights = torch.randn(tokens, 4), torch.rand(tokens)
+            torch.testing.assert_close(runner(x, store, weights), model(x, expected_store, weights))
+            torch.testing.assert_close(store, expected_store)
+    assert runner.token_arguments == {"x": 0, "weights": 0}
     # a retrace at one token is not specialised to it either (it used to trace a third time at 3 tokens)
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
     store = torch.zeros(4)

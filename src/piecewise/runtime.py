@@ -53,6 +53,7 @@ class PiecewiseModel:
         if not self._names:
             raise ValueError("piecewise.compile: the model's forward takes no positional arguments to carry tokens")
         self._dynamic = self._check_dynamic(dynamic)
+        self._dynamic_given = dynamic is not None
         self._compiler = make_compiler(config.compiler)
         self.state = CaptureState(max_tokens=config.max_tokens, graphs_enabled=False)
         self.state.on_new_graph = self._on_new_graph
@@ -165,9 +166,14 @@ class PiecewiseModel:
         return count
 
     def _check_static(self, arguments: dict[str, Any]) -> None:
-        if self._prepared:  # a static tensor first given after the first call (None before): read in place too
+        if self._prepared:  # a tensor first given after the first call (None before): the first call's rules
+            tokens = arguments[next(iter(self._dynamic))].shape[0]
             for name, value in arguments.items():
-                if isinstance(value, torch.Tensor) and name not in self._dynamic and name not in self._static_ptrs:
+                if not isinstance(value, torch.Tensor) or name in self._dynamic or name in self._static_ptrs:
+                    continue
+                if not self._dynamic_given and 1 <= value.dim() <= 2 and value.shape[0] == tokens:
+                    self._dynamic[name] = 0  # a token argument (slot mappings): padded and staged per call
+                else:  # a static tensor (a KV cache): read and written in place
                     self._static_ptrs[name] = value.data_ptr()
                     self.state.stable_ptrs.add(value.data_ptr())
         for name, pointer in self._static_ptrs.items():
