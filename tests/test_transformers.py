@@ -279,3 +279,28 @@ def test_several_sequences_prefill_and_decode_together_through_slots():
     assert runner.stats["traces"] == 1
     with pytest.raises(ValueError, match="multi-sequence kv_cache"):
         token_model(tokens, positions, token_model.make_kv_cache(16), torch.arange(3))
+
+
+def test_continuous_batching_example_generates_what_greedy_decoding_of_each_prompt_does():
+    """examples/continuous_batching.py: 7 requests through 3 slots (slots reused as requests finish, prompts of
+    different lengths prefilled between decode steps) give each prompt's own greedy continuation."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from continuous_batching import generate, tiny_glm_moe
+
+    reference = tiny_glm_moe("cpu", torch.float32)
+    model = tiny_glm_moe("cpu", torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (length,), generator=generator) for length in (5, 17, 2, 9, 1, 12, 6)]
+    token_model = TokenModel(enable(model))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        outputs = generate(runner, token_model, prompts, new_tokens=5, slots=3, max_seq_len=24)
+        for prompt, tokens in zip(prompts, outputs):
+            sequence = prompt.tolist()
+            for _ in range(5):
+                sequence.append(int(hf_logits(reference, torch.tensor(sequence))[-1].argmax()))
+            assert tokens == sequence[len(prompt):]
+    assert runner.stats["traces"] == 1 and runner.stats["fallback_calls"] == 3  # prompts of 17, 9, 12 > max_tokens
