@@ -1,5 +1,12 @@
+import faulthandler
+import os
+
 import pytest
 import torch
+
+GPU_TEST_SECONDS = int(os.environ.get("PIECEWISE_GPU_TEST_SECONDS", "300"))
+"""A GPU test still running after this long prints every thread's stack and ends the run (a hang, e.g. a
+collective that never completes, would otherwise use up a whole device session)."""
 
 
 def pytest_addoption(parser):
@@ -29,3 +36,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_hang_guard(request):
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    faulthandler.dump_traceback_later(GPU_TEST_SECONDS, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
