@@ -178,3 +178,46 @@ def test_a_transformers_glm_moe_on_two_ranks_equals_the_whole_model(nvfp4):
     pytest.importorskip("transformers")
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(_transformers_worker, args=(os.path.join(directory, "init"), nvfp4), nprocs=2, join=True)
+
+
+def _glm_moe_worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
+    from piecewise.models.glm_moe import GlmMoE, example, quantize_experts, tensor_parallel_glm_moe
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model, (ids, positions, _) = example(tokens=7, num_layers=3, hidden_size=64, moe_intermediate_size=32)
+        for module in model.modules():
+            if isinstance(module, GlmMoE):  # spread the router scores: no near tie for a rounding to flip
+                torch.nn.init.normal_(module.router.weight, std=0.5)
+        if nvfp4:
+            quantize_experts(model)  # the grouped op
+            quantize_linears(model, skip=("lm_head", "router"))
+        with torch.no_grad():
+            expected = {t: model(ids[:t], positions[:t], model.make_kv_cache()) for t in (7, 3)}
+        sharded = tensor_parallel_glm_moe(model, capture_all_reduce=in_graph)
+        assert "layers.0.gate_up" in sharded and "layers.1.mlp" in sharded and "layers.2.mlp" in sharded
+        moe = model.layers[1].mlp
+        assert moe.experts.down.shape[-1] == (8 if nvfp4 else 16)  # half of 32 intermediate columns (packed)
+        assert moe.shared_down.in_features == 16 and moe.router.out_features == 8  # the router stays whole
+        cache = model.make_kv_cache()
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+        with torch.no_grad():
+            for tokens in (7, 3):
+                cache.zero_()
+                out = runner(ids[:tokens], positions[:tokens], cache)
+                assert rel_error(out, expected[tokens]) <= 1e-5, (rank, tokens, rel_error(out, expected[tokens]))
+        # attention cuts every layer; all-reduces between pieces cut twice per layer more (o_proj, and the dense
+        # MLP's or the MoE block's), bf16 experts once more (the eager loop)
+        cuts = 3 + (0 if in_graph else 6) + (0 if nvfp4 else 2)
+        assert runner.stats["pieces"] == cuts + 1, runner.stats["pieces"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("nvfp4,in_graph", [(False, False), (True, True)],
+                         ids=["fp32", "nvfp4-grouped-all-reduce-in-pieces"])
+def test_the_glm_moe_example_on_two_ranks_equals_the_whole_model(nvfp4, in_graph):
+    """Routed and shared experts keep half their intermediate dimension, one all-reduce per MoE block."""
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_glm_moe_worker, args=(os.path.join(directory, "init"), nvfp4, in_graph), nprocs=2, join=True)

@@ -145,6 +145,29 @@ def expert_columns(stacked: torch.Tensor, rank: int, world: int, name: str) -> t
     return stacked[..., rank * share : (rank + 1) * share].contiguous()
 
 
+def shard_experts(experts: nn.Module, inter: int, rank: int, world: int, name: str, gate_up: str = "gate_up",
+                  down: str = "down") -> None:
+    """Keep this rank's share of the intermediate dimension of stacked SwiGLU experts, in place: gate and up rows
+    of ``gate_up`` [E, 2I, H], columns of ``down`` [E, H, I]. NVFP4 experts (with ``<name>_scale`` block scales)
+    are cut along their packed bytes and 16-input scale blocks; their per-expert decode scales stay whole. The
+    rank's output is then a partial sum, to be all-reduced (``reduce_partial``)."""
+    nvfp4 = hasattr(experts, f"{gate_up}_scale")
+    if not nvfp4:
+        for attr, cut in ((gate_up, lambda t: expert_rows(t, (inter, inter), rank, world, name)),
+                          (down, lambda t: expert_columns(t, rank, world, name))):
+            setattr(experts, attr, nn.Parameter(cut(getattr(experts, attr).detach()), requires_grad=False))
+        return
+    if (inter // world) % BLOCK:
+        raise ValueError(
+            f"{name}: each of {world} ranks would hold {inter // world} intermediate columns of NVFP4 experts, not a "
+            f"whole number of {BLOCK}-input scale blocks: pick a world size that gives multiples of {BLOCK}"
+        )
+    for attr in (gate_up, f"{gate_up}_scale"):
+        setattr(experts, attr, expert_rows(getattr(experts, attr), (inter, inter), rank, world, name))
+    for attr in (down, f"{down}_scale"):
+        setattr(experts, attr, expert_columns(getattr(experts, attr), rank, world, name))
+
+
 def shard_layer(
     layer: nn.Module, style: Column | str, rank: int, world: int, group: str, name: str = "layer", in_graph: bool = False
 ) -> nn.Module:

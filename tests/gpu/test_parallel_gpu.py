@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs: NCCL all-reduces between captured pieces, bf16 and NVFP4 weights."""
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -28,57 +29,67 @@ def rel_error(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _join(rank: int, init_file: str) -> None:
-    """Join the two-rank NCCL group, with a hang turned into a failure: collectives time out after 90 s, and
-    a rank still running after 240 s prints every thread's stack and exits."""
+@contextlib.contextmanager
+def _rank(rank: int, init_file: str):
+    """This process as rank ``rank`` of a two-rank NCCL group, with hangs turned into failures: collectives time
+    out after 90 s, and a rank still running after 240 s prints every thread's stack and exits. A failed rank
+    exits at once, since tearing its group down would wait on collectives the other rank never joins (the
+    other rank then fails on its timeout)."""
     torch.cuda.set_device(rank)
     faulthandler.dump_traceback_later(240, exit=True)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=90))
-
-
-def _leave(failed: bool) -> None:
-    """A failed rank exits at once: tearing its group down would wait on collectives the other rank never
-    joins (the other rank then fails on its collective timeout)."""
-    faulthandler.cancel_dump_traceback_later()
-    if failed:
+    try:
+        yield
+    except BaseException:
         traceback.print_exc()
         os._exit(1)
-    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()  # the runners released their graphs: NCCL waits for graphs holding its collectives
+
+
+def _spawn(worker, *args) -> None:
+    """``worker(rank, init_file, *args)`` on two processes, one per GPU."""
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(worker, args=(os.path.join(directory, "init"), *args), nprocs=2, join=True)
+
+
+def _sharded_runs(model, ids, positions, shard):
+    """The whole model's logits at 16, 5 and 1 tokens; then ``shard(model)`` and the piecewise runner's (CUDA
+    graphs, a zeroed cache each call). Returns (expected, outputs, runner)."""
+    with torch.no_grad():
+        expected = {t: model(ids[:t], positions[:t], model.make_kv_cache()) for t in (16, 5, 1)}
+    shard(model)
+    cache = model.make_kv_cache()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16))
+    outputs = {}
+    with torch.no_grad():
+        for tokens in expected:
+            cache.zero_()
+            outputs[tokens] = runner(ids[:tokens], positions[:tokens], cache)
+    return expected, outputs, runner
 
 
 def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
-    _join(rank, init_file)
-    failed = True
-    try:
+    with _rank(rank, init_file):
         model, (ids, positions, _) = example(tokens=16, device="cuda", dtype=torch.bfloat16, **CONFIG)
         if nvfp4:
             quantize_linears(model)
-        with torch.no_grad():
-            expected = {t: model(ids[:t], positions[:t], model.make_kv_cache()) for t in (1, 5, 16)}
-        tensor_parallel_llama(model, capture_all_reduce=in_graph)
-        cache = model.make_kv_cache()
-        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16))
-        with torch.no_grad():
-            for tokens in (16, 5, 1):
-                cache.zero_()
-                out = runner(ids[:tokens], positions[:tokens], cache)
-                assert rel_error(out, expected[tokens]) <= 1e-2, (rank, tokens, rel_error(out, expected[tokens]))
+        expected, outs, runner = _sharded_runs(model, ids, positions,
+                                               lambda m: tensor_parallel_llama(m, capture_all_reduce=in_graph))
+        for tokens, out in outs.items():
+            assert rel_error(out, expected[tokens]) <= 1e-2, (rank, tokens, rel_error(out, expected[tokens]))
         stats = runner.stats
         pieces = 3 if in_graph else 7  # the NCCL all-reduces inside the graphs, or between them
         assert stats["cuda_graphs"] is True and stats["pieces"] == pieces, stats
         assert stats["graphs"] == pieces * len(stats["captured_sizes"]) and stats["replays"] > 0, stats
-        runner.release_graphs()  # before the group goes: NCCL waits for graphs holding its collectives
-        failed = False
-    finally:
-        _leave(failed)
+        runner.release_graphs()  # before the group goes
 
 
 @pytest.mark.parametrize("nvfp4,in_graph", [(False, False), (True, False), (False, True)],
                          ids=["bf16", "nvfp4", "bf16-all-reduce-captured"])
 def test_two_gpus_equal_the_whole_model(nvfp4, in_graph):
-    with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_worker, args=(os.path.join(directory, "init"), nvfp4, in_graph), nprocs=2, join=True)
+    _spawn(_worker, nvfp4, in_graph)
 
 
 def per_token_median(out, ref):
@@ -91,9 +102,7 @@ def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
     from piecewise.integrations.transformers import TokenModel, enable, quantize
     from piecewise.integrations.transformers import tensor_parallel as hf_tensor_parallel
 
-    _join(rank, init_file)
-    failed = True
-    try:
+    with _rank(rank, init_file):
         torch.manual_seed(0)
         config = transformers.Glm4MoeConfig(
             vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
@@ -125,13 +134,36 @@ def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
             assert rel_error(logits, expected) <= 1e-4, rank
         assert runner.stats["replays"] > 0
         runner.release_graphs()
-        failed = False
-    finally:
-        _leave(failed)
 
 
 @pytest.mark.parametrize("nvfp4", [False, True], ids=["fp32", "nvfp4-grouped-experts"])
 def test_a_transformers_glm_moe_on_two_gpus_equals_the_whole_model(nvfp4):
     pytest.importorskip("transformers")
-    with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_transformers_worker, args=(os.path.join(directory, "init"), nvfp4), nprocs=2, join=True)
+    _spawn(_transformers_worker, nvfp4)
+
+
+def _glm_moe_worker(rank: int, init_file: str, nvfp4: bool) -> None:
+    from piecewise.models.glm_moe import GlmMoE, example, quantize_experts, tensor_parallel_glm_moe
+
+    with _rank(rank, init_file):
+        model, (ids, positions, _) = example(tokens=16, device="cuda", dtype=torch.bfloat16 if nvfp4 else torch.float32,
+                                             num_layers=3, hidden_size=256, moe_intermediate_size=64)
+        for module in model.modules():
+            if isinstance(module, GlmMoE):  # spread the router scores: no near tie for a rounding to flip
+                torch.nn.init.normal_(module.router.weight, std=0.5)
+        if nvfp4:
+            quantize_experts(model)
+            quantize_linears(model, skip=("lm_head", "router"))
+        expected, outs, runner = _sharded_runs(model, ids, positions,
+                                               lambda m: tensor_parallel_glm_moe(m, capture_all_reduce=True))
+        for tokens, out in outs.items():
+            assert per_token_median(out, expected[tokens]) <= (2e-2 if nvfp4 else 1e-4), (rank, tokens)
+        assert runner.stats["cuda_graphs"] is True and runner.stats["replays"] > 0
+        runner.release_graphs()
+
+
+@pytest.mark.parametrize("nvfp4", [False, True], ids=["fp32", "nvfp4-grouped"])
+def test_the_glm_moe_example_on_two_gpus_equals_the_whole_model(nvfp4):
+    """The example GLM-MoE sharded (routed and shared experts by their intermediate dimension), all-reduces
+    captured in the graphs."""
+    _spawn(_glm_moe_worker, nvfp4)

@@ -236,25 +236,15 @@ def tensor_parallel(model: nn.Module, group=None, *, capture_all_reduce: bool = 
 
 
 def _shard_experts(module: nn.Module, inter: int, rank: int, world: int, name: str) -> None:
-    """The stacked experts' share of the intermediate dimension: gate and up rows, down columns."""
-    from ..kernels.nvfp4.reference import BLOCK
-    from ..parallel import expert_columns, expert_rows
+    """The stacked experts' share of the intermediate dimension (bf16 ``gate_up_proj`` / ``down_proj``, or the
+    NVFP4 copies ``quantize`` made)."""
+    from ..parallel import shard_experts
 
     q = getattr(module, "nvfp4", None)
     if q is None:
-        module.gate_up_proj = nn.Parameter(expert_rows(module.gate_up_proj.detach(), (inter, inter), rank, world, name),
-                                           requires_grad=False)
-        module.down_proj = nn.Parameter(expert_columns(module.down_proj.detach(), rank, world, name), requires_grad=False)
-        return
-    if (inter // world) % BLOCK:
-        raise ValueError(
-            f"{name}: each of {world} ranks would hold {inter // world} intermediate columns of NVFP4 experts, not a "
-            f"whole number of {BLOCK}-input scale blocks: pick a world size that gives multiples of {BLOCK}"
-        )
-    q.gate_up = expert_rows(q.gate_up, (inter, inter), rank, world, name)
-    q.gate_up_scale = expert_rows(q.gate_up_scale, (inter, inter), rank, world, name)
-    q.down = expert_columns(q.down, rank, world, name)
-    q.down_scale = expert_columns(q.down_scale, rank, world, name)
+        shard_experts(module, inter, rank, world, name, "gate_up_proj", "down_proj")
+    else:
+        shard_experts(q, inter, rank, world, name)
 
 
 class TokenModel(nn.Module):

@@ -27,8 +27,9 @@ from ..kernels.nvfp4.moe import moe_nvfp4_reference
 from ..kernels.nvfp4.ops import moe_op
 from ..kernels.routing import routed_sum
 from ..opaque import opaque_op
+from ..parallel import reduce_partial
 from .attention import attention
-from .llama import DecoderLayer, LlamaConfig, TinyLlama
+from .llama import DecoderLayer, LlamaConfig, TinyLlama, tensor_parallel_llama
 from .llama import example as llama_example
 
 
@@ -147,12 +148,15 @@ class GlmMoE(nn.Module):
         self.experts = Experts(config)
         self.shared_gate_up = nn.Linear(hidden, 2 * shared, bias=False)
         self.shared_down = nn.Linear(shared, hidden, bias=False)
+        self.reduce: tuple[str, bool] | None = None
+        """(group, in_graph) once ``tensor_parallel_glm_moe`` sharded the block: its output is a partial sum."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.router.weight.float())
         weights, ids = route(logits, self.e_score_correction_bias, self.config)
         gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
-        return self.experts(x, ids, weights) + self.shared_down(F.silu(gate) * up)
+        out = self.experts(x, ids, weights) + self.shared_down(F.silu(gate) * up)
+        return out if self.reduce is None else reduce_partial(out, *self.reduce)
 
 
 class MoeDecoderLayer(DecoderLayer):
@@ -186,6 +190,34 @@ def quantize_experts(model: nn.Module, *, grouped: bool = True) -> int:
             module.experts = NVFP4Experts(module.experts, grouped=grouped)
             count += 1
     return count
+
+
+def tensor_parallel_glm_moe(model: GlmMoeModel, group=None, *, capture_all_reduce: bool = False) -> list[str]:
+    """Shard a ``GlmMoeModel`` over ``group``: attention and dense layers as ``tensor_parallel_llama`` does; in
+    each MoE block every routed expert (bf16 or NVFP4) and the shared expert keep 1/world of their intermediate
+    dimension, and the block's two partial outputs are summed by one all-reduce. The router stays whole (every
+    rank routes every token the same way). Returns the qualified names sharded."""
+    import torch.distributed as dist
+
+    from ..parallel import Column, check_divisible, group_name, shard_experts, shard_layer, world_size
+
+    c = model.config
+    world = world_size(group)
+    check_divisible({"moe_intermediate_size": c.moe_intermediate_size}, world, "config")
+    sharded = tensor_parallel_llama(model, group, capture_all_reduce=capture_all_reduce)
+    group = group or dist.group.WORLD
+    rank, name = dist.get_rank(group), group_name(group)
+    shared = c.moe_intermediate_size * c.n_shared_experts
+    for qualified, module in model.named_modules():
+        if isinstance(module, GlmMoE):
+            module.shared_gate_up = shard_layer(module.shared_gate_up, Column(sections=(shared, shared)), rank, world,
+                                                name, f"{qualified}.shared_gate_up")
+            # the row shard without its own all-reduce: the block reduces once, experts included
+            module.shared_down = shard_layer(module.shared_down, "row", rank, world, name, f"{qualified}.shared_down").layer
+            shard_experts(module.experts, c.moe_intermediate_size, rank, world, f"{qualified}.experts")
+            module.reduce = (name, capture_all_reduce)
+            sharded.append(qualified)
+    return sharded
 
 
 def example(tokens: int = 7, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **config):

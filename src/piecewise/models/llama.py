@@ -146,9 +146,9 @@ def tensor_parallel_llama(model: TinyLlama, group=None, *, capture_all_reduce: b
     plan = {
         "layers.*.qkv": Column(sections=(c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)),
         "layers.*.o_proj": "row",
-        "layers.*.gate_up": Column(sections=(c.intermediate_size, c.intermediate_size)),
-        "layers.*.down": "row",
     }
+    if any(hasattr(layer, "gate_up") for layer in model.layers):  # dense MLPs (all of them but in MoE models)
+        plan |= {"layers.*.gate_up": Column(sections=(c.intermediate_size, c.intermediate_size)), "layers.*.down": "row"}
     sharded = tensor_parallel(model, plan, group, capture_all_reduce=capture_all_reduce)
     local = replace(c, num_heads=c.num_heads // world, num_kv_heads=c.num_kv_heads // world,
                     intermediate_size=c.intermediate_size // world)
