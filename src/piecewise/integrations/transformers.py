@@ -87,9 +87,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' attention interface: q [1, Hq, T, D], k / v [1, Hkv, T, D] → ([1, T, Hq, D], None).
     Sliding windows (``sliding_window``) and logit softcapping (``softcap``) are computed; attention sinks
     (``s_aux``) and non-causal modules are refused."""
-    if kwargs.get("s_aux") is not None or not getattr(module, "is_causal", True):
+    sinks = kwargs.get("s_aux") is not None
+    if sinks or not getattr(module, "is_causal", True):
         raise ValueError(
-            f"{type(module).__name__} asks for {'attention sinks (s_aux)' if kwargs.get('s_aux') is not None else 'non-causal attention'}, "
+            f"{type(module).__name__} asks for {'attention sinks (s_aux)' if sinks else 'non-causal attention'}, "
             f"which the piecewise attention does not compute: leave this model's attn_implementation as it was"
         )
     if query.shape[0] != 1:

@@ -7,7 +7,9 @@ sequence's cache, with the query heads that share the KV head stacked as the row
 online softmax in float32. No host sync and no copy of the cache: a decode step of B sequences is one launch
 per layer whatever the slots are. When few tokens meet a long cache (one sequence decoding over a long
 context) the keys are split over several programs per (token, KV head), as flash decoding does, and a second
-launch combines their partial softmaxes (``key_splits``). It also runs under ``TRITON_INTERPRET=1``. ``slot_attention_reference`` is the same computation in PyTorch, one sequence at a time.
+launch combines their partial softmaxes (``key_splits``). Sliding windows and logit softcapping are options.
+It also runs under ``TRITON_INTERPRET=1``. ``slot_attention_reference`` is the same computation in PyTorch,
+one sequence at a time; ``attend`` picks between them.
 """
 
 from __future__ import annotations
