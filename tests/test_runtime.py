@@ -153,12 +153,14 @@ def test_forward_that_branches_on_the_token_count_is_refused():
         runner(torch.randn(6, 4))
 
 
-@piecewise.opaque_op("piecewise_tests::running_sum", fake=lambda x, store: torch.empty_like(x),
+@piecewise.opaque_op("piecewise_tests::running_max", fake=lambda x, store: torch.empty_like(x),
                       mutates_args=("store",), split=True)
-def running_sum(x: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
-    """Adds the call's column sums to ``store`` (state kept across calls, like a KV cache), returns x + store."""
-    store += x.sum(0)
-    return x + store
+def running_max(x: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+    """Keeps the column maxima of every call so far in ``store`` [1, 1, 4] (state kept across calls, like a KV
+    cache; idempotent for a repeated call, as the first call's warm-up and capture runs require), returns
+    x + store."""
+    torch.maximum(store, x.max(0).values, out=store)
+    return x + store.view(-1)
 
 
 class WithOptionalState(torch.nn.Module):
@@ -169,7 +171,7 @@ class WithOptionalState(torch.nn.Module):
     def forward(self, x, store=None, weights=None):
         h = self.first(x)
         if store is not None:
-            h = running_sum(h, store)
+            h = running_max(h, store)
         if weights is not None:
             h = h * weights[:, None]
         return self.second(h)
@@ -182,7 +184,7 @@ def test_a_state_tensor_first_passed_after_the_first_call_is_updated_in_place():
     torch.manual_seed(0)
     model = WithOptionalState()
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
-    store, expected_store = torch.zeros(4), torch.zeros(4)
+    store, expected_store = torch.full((1, 1, 4), -9.0), torch.full((1, 1, 4), -9.0)
     inputs = [torch.randn(tokens, 4) for tokens in (5, 1, 1, 3, 1)]
     with torch.no_grad():
         x = torch.randn(3, 4)
@@ -204,13 +206,54 @@ def test_a_state_tensor_first_passed_after_the_first_call_is_updated_in_place():
     assert runner.token_arguments == {"x": 0, "weights": 0}
     # a retrace at one token is not specialised to it either (it used to trace a third time at 3 tokens)
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
-    store = torch.zeros(4)
+    store = torch.full((1, 1, 4), -9.0)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner(torch.randn(3, 4))
         for tokens in (1, 3, 1):
             runner(torch.randn(tokens, 4), store)
     assert runner.stats["traces"] == 2
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls=st.lists(st.tuples(st.integers(1, 10), st.booleans(), st.booleans()), min_size=2, max_size=5),
+       seed=st.integers(0, 2**16))
+def test_any_sequence_of_calls_with_optional_state_equals_eager(calls, seed):
+    """Calls with and without the optional state and a per-token argument, in any order, at token counts
+    below and above max_tokens: every output and the state equal eager's. What the first call passes, every
+    call passes (the captured variant's arguments); what it leaves out, a later call may pass or not."""
+    first_store, first_weights = calls[0][1], calls[0][2]
+    calls = [(tokens, store or first_store, weights or first_weights) for tokens, store, weights in calls]
+    torch.manual_seed(seed)
+    model = WithOptionalState()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    store, expected_store = torch.full((1, 1, 4), -9.0), torch.full((1, 1, 4), -9.0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each new combination of arguments retraces once, with a warning
+        for tokens, with_store, with_weights in calls:
+            x = torch.randn(tokens, 4)
+            weights = torch.rand(tokens) if with_weights else None
+            out = runner(x, store if with_store else None, weights)
+            torch.testing.assert_close(out, model(x, expected_store if with_store else None, weights))
+            torch.testing.assert_close(store, expected_store)
+
+
+def test_a_write_into_what_was_taken_for_a_token_argument_is_refused():
+    """A 1-D state of 4 values next to a 4-token input looks like a token argument; its writes would land in
+    a padded copy. The trace refuses, naming the op, the argument and the remedy; dynamic= fixes it."""
+    model = WithOptionalState()
+    store = torch.zeros(4)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"running_max writes in place into argument 'store'.*"
+                                                          r"dynamic=\{\.\.\.\} naming only the real token"):
+        runner(torch.randn(4, 4), store.view(1, 1, 4).view(4))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8), dynamic={"x": 0})
+    expected_store = store.clone()
+    with torch.no_grad():
+        for tokens in (4, 2):
+            x = torch.randn(tokens, 4)
+            torch.testing.assert_close(runner(x, store), model(x, expected_store))
+    torch.testing.assert_close(store, expected_store)
 
 
 def test_changed_python_argument_retraces_with_one_warning_and_stays_correct():

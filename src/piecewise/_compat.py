@@ -204,3 +204,14 @@ def token_guard_failures(example_inputs: list[Any], sizes: list[int]) -> list[tu
                 failures.append((str(expr), where, size))
                 break
     return failures
+
+
+def argument_source(placeholder: Any) -> str:
+    """What a Dynamo graph placeholder stands for, as the user wrote it (``L['store']`` → ``argument 'store'``)."""
+    grapharg = placeholder.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name  # a method or a property, by torch version
+    if isinstance(name, str) and name.startswith("L['") and name.endswith("']"):
+        return f"argument {name[3:-2]!r}"
+    return f"`{name or placeholder.name}`"

@@ -64,7 +64,7 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _is_token_tensor(fake: Any) -> bool:
+def is_token_tensor(fake: Any) -> bool:
     return isinstance(fake, torch.Tensor) and fake.dim() > 0 and _compat.is_plain_symbol(fake.shape[0])
 
 
@@ -225,11 +225,11 @@ class SplitOpRunner:
         self.module = module
         self.op_name = op_name
         self.state = state
-        self.token_inputs = [_is_token_tensor(v) for v in _placeholder_values(module)]
+        self.token_inputs = [is_token_tensor(v) for v in _placeholder_values(module)]
         outputs = _output_values(module)
         self.single_output = not isinstance(outputs, (tuple, list))
         flat = [outputs] if self.single_output else list(outputs)
-        self.token_outputs = [_is_token_tensor(v) for v in flat]
+        self.token_outputs = [is_token_tensor(v) for v in flat]
         self.buffers: list[torch.Tensor | None] = [None] * len(flat)
         self.row_buffers: list[RowBuffer | None] = [None] * len(flat)
         self.sliced: dict[tuple[int, int], tuple[tuple, list]] = {}
@@ -354,10 +354,10 @@ class GraphRunner:
             self.split_graph.__dict__[partition.name] = runner
         self.compile_seconds = time.perf_counter() - started
         inputs = _placeholder_values(graph)
-        self.token_inputs = [_is_token_tensor(v) for v in inputs]
+        self.token_inputs = [is_token_tensor(v) for v in inputs]
         self.symbolic = any(self.token_inputs)
         outputs = _output_values(graph)
-        self.token_outputs = [_is_token_tensor(v) for v in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
+        self.token_outputs = [is_token_tensor(v) for v in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
         self.external: list[int] | None = None  # inputs that need a static copy; decided on the first call
         self.input_buffers: dict[tuple[int, int], torch.Tensor] = {}
         state.graph_runners.append(self)

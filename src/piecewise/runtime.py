@@ -17,8 +17,9 @@ from . import _compat
 from .compilers import make_compiler
 from .config import CaptureConfig
 from .context import forward_context
-from .cudagraph import CAPTURE, DIRECT, PADDED, REPLAY, CaptureState, GraphRunner, RowBuffer
-from .opaque import splitting_op_names
+from .cudagraph import CAPTURE, DIRECT, PADDED, REPLAY, CaptureState, GraphRunner, RowBuffer, is_token_tensor
+from .opaque import op_name, splitting_op_names
+from .split import writes_to_inputs
 from .trace import ForwardTracer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class PiecewiseModel:
             raise ValueError("piecewise.compile: the model's forward takes no positional arguments to carry tokens")
         self._dynamic = self._check_dynamic(dynamic)
         self._dynamic_given = dynamic is not None
+        self._late: set[str] = set()
+        """Tensor arguments first given after the first call (optional state such as a KV cache): a call may
+        leave them out again (None), which is another variant of the trace."""
         self._compiler = make_compiler(config.compiler)
         self.state = CaptureState(max_tokens=config.max_tokens, graphs_enabled=False)
         self.state.on_new_graph = self._on_new_graph
@@ -141,6 +145,8 @@ class PiecewiseModel:
         count = None
         for name, dim in self._dynamic.items():
             value = arguments.get(name)
+            if value is None and name in self._late:
+                continue
             if not isinstance(value, torch.Tensor):
                 raise ValueError(
                     f"piecewise: token argument {name!r} must be a tensor, got {type(value).__name__}"
@@ -171,6 +177,7 @@ class PiecewiseModel:
             for name, value in arguments.items():
                 if not isinstance(value, torch.Tensor) or name in self._dynamic or name in self._static_ptrs:
                     continue
+                self._late.add(name)
                 if not self._dynamic_given and 1 <= value.dim() <= 2 and value.shape[0] == tokens:
                     self._dynamic[name] = 0  # a token argument (slot mappings): padded and staged per call
                 else:  # a static tensor (a KV cache): read and written in place
@@ -178,6 +185,8 @@ class PiecewiseModel:
                     self.state.stable_ptrs.add(value.data_ptr())
         for name, pointer in self._static_ptrs.items():
             value = arguments.get(name)
+            if value is None and name in self._late:
+                continue
             if not isinstance(value, torch.Tensor):
                 given = "not given" if name not in arguments else f"a {type(value).__name__}"
                 raise ValueError(
@@ -206,10 +215,14 @@ class PiecewiseModel:
                 return self._run_direct(arguments)
             return self._run_padded(arguments, tokens)
 
+    def _given_tokens(self, arguments: dict[str, Any]) -> list[str]:
+        """The token arguments this call passes (late ones may be left out)."""
+        return [name for name in self._dynamic if arguments.get(name) is not None]
+
     def _run_direct(self, arguments: dict[str, Any]) -> Any:
         state = self.state
         state.phase = DIRECT
-        for name in self._dynamic:
+        for name in self._given_tokens(arguments):
             _compat.mark_token_dim(arguments[name], 0)
         self.stats["fallback_calls"] += 1
         tokens = arguments[next(iter(self._dynamic))].shape[0]
@@ -247,7 +260,7 @@ class PiecewiseModel:
     def _stage(self, arguments: dict[str, Any], rows: int, size: int) -> dict[str, Any]:
         """Copy token arguments into static buffers padded to ``size`` (pad rows zero)."""
         staged = dict(arguments)
-        for name in self._dynamic:
+        for name in self._given_tokens(arguments):
             value = arguments[name]
             key = (name, value.dtype, value.device, value.shape[1:])
             staging = self._input_buffers.get(key)
@@ -396,6 +409,17 @@ class PiecewiseModel:
                 f"which is false for capture size {size}. One trace serves every token count, so the forward "
                 f"must not branch on it: move the branch out of forward, or make that code a splitting op "
                 f"(piecewise.opaque_op(..., split=True))."
+            )
+        token_inputs = [node for node in graph.graph.nodes
+                        if node.op == "placeholder" and is_token_tensor(node.meta.get("example_value"))]
+        for writer, placeholder in writes_to_inputs(graph, token_inputs):
+            what = op_name(writer.target) or f".{writer.target}()"
+            raise ValueError(
+                f"piecewise: {what} writes in place into {_compat.argument_source(placeholder)}, which piecewise "
+                f"takes for a token argument (its dimension 0 has the call's token count). Token arguments are "
+                f"copied into padded buffers on every call, so the write would be lost. If it is state kept "
+                f"across calls (a cache whose first dimension happens to equal the token count), compile with "
+                f"dynamic={{...}} naming only the real token arguments; token arguments: {list(self._dynamic)}."
             )
         splitting = frozenset(self.config.splitting_ops) if self.config.splitting_ops is not None else splitting_op_names()
         return GraphRunner(graph, self.state, self._compiler, splitting)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -58,3 +59,44 @@ def split_graph(
         index = int(node.target.rsplit("_", 1)[1])
         partitions.append(Partition(node.target, getattr(split, node.target), split_names.get(index)))
     return split, partitions
+
+
+def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The arguments ``node`` writes in place: a schema's mutable arguments, or ``self`` of an in-place method."""
+    if (node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__")) or (
+            node.op == "call_function" and node.target is operator.setitem):
+        return [node.args[0]] if node.args and isinstance(node.args[0], torch.fx.Node) else []
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+        if isinstance(value, torch.fx.Node):
+            written.append(value)
+    return written
+
+
+def _storage(node: torch.fx.Node) -> int | None:
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - a tensor without storage (some subclasses)
+        return None
+
+
+def writes_to_inputs(graph: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(writing node, input placeholder) for every in-place write into the memory of one of ``inputs``."""
+    storages = {_storage(node): node for node in inputs}
+    storages.pop(None, None)
+    found = []
+    for node in graph.graph.nodes:
+        for written in _written_args(node):
+            placeholder = storages.get(_storage(written))
+            if placeholder is not None:
+                found.append((node, placeholder))
+    return found
