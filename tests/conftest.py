@@ -24,6 +24,7 @@ def _shard(value: str) -> tuple[int, int]:
     return index, count
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection, so shards split the tests that run
 def pytest_collection_modifyitems(config, items):
     shard = config.getoption("--shard")
     if shard is not None:
