@@ -148,7 +148,7 @@ def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
                 # experts' scores would flip the choice (transformers' default init makes every score ~0.5)
                 torch.nn.init.normal_(module.weight, std=0.5)
         ids = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(1))
-        token_model = TokenModel(enable(model))
+        token_model = TokenModel(enable(model, experts=True))
         if nvfp4:
             quantize(model, grouped_experts=True)  # before sharding: the shards partition the same bytes
         with torch.no_grad():

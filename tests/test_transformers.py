@@ -41,7 +41,7 @@ def test_glm_moe_under_piecewise_equals_transformers_eager():
     model = glm_moe()
     references = {t: hf_logits(model, torch.randint(0, 256, (t,), generator=torch.Generator().manual_seed(t)))
                   for t in (1, 5, 9, 16, 20)}
-    runner = piecewise.compile(TokenModel(enable(model)), piecewise.CaptureConfig(max_tokens=16))
+    runner = piecewise.compile(TokenModel(enable(model, experts=True)), piecewise.CaptureConfig(max_tokens=16))
     with torch.no_grad():
         for tokens, expected in references.items():
             ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(tokens))
@@ -104,7 +104,7 @@ def test_prefill_then_decode_with_a_kv_cache_equals_the_whole_sequence():
     model = glm_moe()
     ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(11))
     expected = hf_logits(model, ids)
-    token_model = TokenModel(enable(model))
+    token_model = TokenModel(enable(model, experts=True))
     cache = token_model.make_kv_cache(max_seq_len=32)
     assert cache.shape == (3, 2, 32, 2, 16)
     runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8))
@@ -124,9 +124,9 @@ def test_nvfp4_weights_compute_with_their_dequantized_values():
     from piecewise.kernels.nvfp4 import NVFP4Linear, dequantize
 
     quantized, reference = enable(glm_moe()), glm_moe()
-    with pytest.raises(ValueError, match="enable"):
-        quantize(glm_moe())
+    assert quantized.config._experts_implementation == "grouped_mm"  # enable kept transformers' experts
     converted = quantize(quantized)
+    assert quantized.config._experts_implementation == "piecewise"  # the only ones that run NVFP4 experts
     assert "model.layers.1.mlp.experts" in converted and "model.layers.0.self_attn.q_proj" in converted
     assert "lm_head" not in converted
     modules = dict(reference.named_modules())
@@ -144,6 +144,14 @@ def test_nvfp4_weights_compute_with_their_dequantized_values():
     runner = piecewise.compile(TokenModel(quantized), piecewise.CaptureConfig(max_tokens=16))
     with torch.no_grad():
         torch.testing.assert_close(runner(ids, torch.arange(9)), hf_logits(reference, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_enable_keeps_grouped_mm_experts_and_replaces_the_eager_loop():
+    """By default, transformers' grouped_mm experts stay (captured with the pieces); its eager loop, which
+    branches on which experts got tokens, becomes piecewise's experts op."""
+    assert enable(glm_moe()).config._experts_implementation == "grouped_mm"
+    assert enable(glm_moe(experts_implementation="eager")).config._experts_implementation == "piecewise"
+    assert enable(glm_moe(experts_implementation="eager"), experts=False).config._experts_implementation == "eager"
 
 
 def test_transformers_grouped_mm_experts_stay_inside_the_pieces():
@@ -233,7 +241,7 @@ def test_attention_the_piecewise_op_would_get_wrong_is_refused():
 
 
 def test_experts_of_another_activation_are_refused():
-    model = enable(glm_moe())
+    model = enable(glm_moe(), experts=True)
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="activation 'gelu'.*experts=False"):
         with torch.no_grad():

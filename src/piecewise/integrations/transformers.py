@@ -164,10 +164,14 @@ def _check_config(config) -> None:
         )
 
 
-def enable(model: nn.Module, *, experts: bool = True) -> nn.Module:
-    """Route ``model``'s attention (and, with ``experts``, its stacked MoE experts) through piecewise's splitting
-    ops. ``experts=False`` keeps the model's own experts implementation inside the pieces: transformers'
-    ``grouped_mm`` one has static shapes (device-side offsets), so it is traced and captured with the rest."""
+def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
+    """Route ``model``'s attention (and its stacked MoE experts, see ``experts``) through piecewise's ops.
+
+    ``experts=True``: piecewise's experts op (bf16: the per-expert loop as a splitting op; NVFP4 after
+    ``quantize``: the grouped op captured with the pieces). ``False``: the model's own implementation stays
+    inside the pieces. ``None`` (default): transformers' ``grouped_mm`` implementation is kept (static shapes,
+    device-side offsets: traced and captured with the rest); any other (its eager loop branches on which
+    experts got tokens) is replaced by piecewise's op."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -175,21 +179,28 @@ def enable(model: nn.Module, *, experts: bool = True) -> nn.Module:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, _no_mask)
     model.config._attn_implementation = NAME
-    if experts and any(_is_experts(m) for m in model.modules()):
+    if experts is None:
+        experts = getattr(model.config, "_experts_implementation", None) != "grouped_mm"
+    if experts:
+        _use_piecewise_experts(model)
+    return model
+
+
+def _use_piecewise_experts(model: nn.Module) -> None:
+    if any(_is_experts(m) for m in model.modules()):
         from transformers.integrations.moe import ExpertsInterface
 
         ExpertsInterface.register(NAME, experts_forward)
         model.config._experts_implementation = NAME
-    return model
 
 
 def quantize(model: nn.Module, *, grouped_experts: bool = True) -> list[str]:
     """NVFP4 weights for an ``enable``d model, in place: every ``nn.Linear`` but the output head
     (``quantize_linears``) and every stacked-experts module (``NVFP4Experts``, its bf16 ``gate_up_proj`` /
     ``down_proj`` dropped; ``grouped_experts`` (default): the static-shape grouped op, captured with the
-    pieces; False: the per-expert loop as a splitting op). Returns the qualified names converted."""
-    if getattr(model.config, "_experts_implementation", None) != NAME and any(_is_experts(m) for m in model.modules()):
-        raise ValueError("quantize(model) needs enable(model) first: only the piecewise experts run NVFP4 experts")
+    pieces; False: the per-expert loop as a splitting op). The experts switch to piecewise's experts op, the
+    only one that runs NVFP4 experts. Returns the qualified names converted."""
+    _use_piecewise_experts(model)
     converted = quantize_linears(model)
     for name, module in model.named_modules():
         if _is_experts(module):
