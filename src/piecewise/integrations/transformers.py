@@ -12,16 +12,17 @@
     logits = runner(prompt_ids, torch.arange(len(prompt_ids)), cache)
     logits = runner(next_id, torch.tensor([len(prompt_ids)]), cache)
 
-``enable`` registers an attention implementation and, for MoE models whose experts dispatch through
-transformers' experts interface (stacked ``gate_up_proj`` / ``down_proj``, SwiGLU), an experts implementation
-named ``"piecewise"``, and selects them in the model's config. Attention runs eagerly between pieces on the
+``enable`` registers an attention implementation named ``"piecewise"`` and selects it in the model's config;
+for MoE models whose experts dispatch through transformers' experts interface (stacked ``gate_up_proj`` /
+``down_proj``, SwiGLU) it keeps transformers' ``grouped_mm`` experts (static shapes, captured with the pieces)
+and replaces any other implementation by a ``"piecewise"`` one. Attention runs eagerly between pieces on the
 real tokens: causal over the tokens of the call without a KV cache, or, given one (``kv_cache``
 [layers, 2, max_seq_len, kv heads, head_dim], transformers' own Cache objects are not used), it writes the
 call's keys and values at ``position_ids`` and attends causally over the cache (``kernels.attention``), with
 the layer's sliding window and logit softcap where the model asks for them. With ``slots`` the tokens of many
-sequences share one call. The experts run through ``piecewise.models.glm_moe.moe_experts``, also a splitting
-op (their loop over the experts that got tokens is data dependent), or, with NVFP4 weights, the grouped op
-captured in the pieces. ``TokenModel`` gives the model the token-major call piecewise pads:
+sequences share one call. Piecewise's experts run through ``piecewise.models.glm_moe.moe_experts``, also a
+splitting op (their loop over the experts that got tokens is data dependent), or, with NVFP4 weights, the
+grouped op captured in the pieces. ``TokenModel`` gives the model the token-major call piecewise pads:
 ``input_ids`` and ``position_ids`` of shape [T]. ``quantize`` gives an enabled model NVFP4 weights (W4A16);
 ``tensor_parallel`` shards it over a process group, routed experts included.
 """
@@ -223,8 +224,8 @@ def tensor_parallel(model: nn.Module, group=None, *, capture_all_reduce: bool = 
     ``TENSOR_PARALLEL_PLAN``). transformers' attention reshapes by ``head_dim``, so each rank simply runs its
     share of the heads; ``TokenModel.make_kv_cache`` then sizes the cache for this rank's KV heads. Stacked
     routed experts (bf16 or NVFP4) keep their share of the intermediate dimension and their partial output is
-    all-reduced, when they run as piecewise's experts; with ``enable(model, experts=False)`` they stay whole on
-    every rank. Returns the qualified names sharded."""
+    all-reduced, when they run as piecewise's experts (``enable(model, experts=True)``, or after ``quantize``);
+    transformers' own (``grouped_mm``) stay whole on every rank. Returns the qualified names sharded."""
     import torch.distributed as dist
 
     from ..parallel import check_divisible, group_name, world_size
