@@ -58,6 +58,7 @@ def test_doctor_names_the_transformers_expert_loop():
     lines = {(b.kind, b.location.code.strip()) for b in report.blockers}
     assert ("data_dependent_shape", "expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()") in lines
     assert all(b.location.file.endswith("modeling_glm4_moe.py") for b in report.blockers)
+    assert all("piecewise.integrations.transformers.enable(model)" in b.fix for b in report.blockers)
     assert report.blockers[0].chain[0].function == "forward"  # TokenModel.forward first
     assert any("split=True" in b.fix for b in report.blockers)
     assert piecewise.doctor(TokenModel(enable(model)), torch.randint(0, 256, (9,)), torch.arange(9)).ok

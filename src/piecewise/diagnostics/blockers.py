@@ -110,6 +110,13 @@ class CaptureBlockedError(RuntimeError):
         super().__init__("\n\n".join([head, *(blocker.format() for blocker in self.blockers)]))
 
 
+TRANSFORMERS_HINT = (
+    "\nIn a Hugging Face transformers model: piecewise.integrations.transformers.enable(model) routes its "
+    "attention and MoE experts through capture-safe ops (transformers' grouped_mm experts kept, its eager "
+    "expert loop replaced), and TokenModel(model) gives the token-major call piecewise pads."
+)
+
+
 def _blocker(
     reason: str,
     gb: str | None,
@@ -121,6 +128,8 @@ def _blocker(
     if kind is not None:
         finding.kind = kind
     fix = jit_fix(finding.frames, root_file) if finding.kind == "jit_subprocess" else FIXES[finding.kind]
+    if any(f"{os.sep}transformers{os.sep}models{os.sep}" in frame.filename for frame in finding.frames):
+        fix += TRANSFORMERS_HINT
     return Blocker(
         kind=finding.kind,
         message=finding.message,
