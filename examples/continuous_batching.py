@@ -21,6 +21,8 @@ import torch
 import piecewise
 from piecewise.integrations.transformers import TokenModel, enable
 
+from glm_moe_transformers import model as tiny_glm_moe  # the example beside this one
+
 
 def generate(runner, token_model: TokenModel, prompts: list[torch.Tensor], new_tokens: int, slots: int,
              max_seq_len: int) -> list[list[int]]:
@@ -58,22 +60,6 @@ def generate(runner, token_model: TokenModel, prompts: list[torch.Tensor], new_t
     return outputs
 
 
-def tiny_glm_moe(device: str, dtype: torch.dtype):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Glm4MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=2, topk_group=1, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True)
-    model = transformers.Glm4MoeForCausalLM(config).to(device=device, dtype=dtype).eval()
-    for module in model.modules():  # expert weights outside from_pretrained are left uninitialised
-        if hasattr(module, "gate_up_proj"):
-            torch.nn.init.normal_(module.gate_up_proj, std=0.1)
-            torch.nn.init.normal_(module.down_proj, std=0.1)
-    return model
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -82,7 +68,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=8)
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = tiny_glm_moe(args.device, dtype)
+    model = tiny_glm_moe(None, args.device, dtype)
     token_model = TokenModel(enable(model))
     runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=max(args.slots, 16)))
     generator = torch.Generator().manual_seed(1)

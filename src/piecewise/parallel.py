@@ -48,6 +48,14 @@ def check_divisible(sizes: dict[str, int], world: int, owner: str) -> None:
             raise ValueError(f"{owner}.{field}={size} does not split over {world} ranks: use a world size that divides it")
 
 
+def rank_of(group: dist.ProcessGroup | None) -> tuple[int, int, str]:
+    """(rank, world size, registered name) of this process in ``group`` (default: the whole world)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("tensor_parallel needs torch.distributed initialised first: call dist.init_process_group(...)")
+    group = group or dist.group.WORLD
+    return dist.get_rank(group), dist.get_world_size(group), group_name(group)
+
+
 def group_name(group: dist.ProcessGroup) -> str:
     """A name the all-reduce op takes as its argument (op arguments cannot be process groups)."""
     name = f"{getattr(group, 'group_name', '') or 'group'}_{id(group)}"
@@ -115,6 +123,14 @@ def _pieces(size: int, world: int, what: str) -> int:
     return size // world
 
 
+def _whole_scale_blocks(share: int, world: int, name: str, what: str) -> None:
+    if share % BLOCK:
+        raise ValueError(
+            f"{name}: each of {world} ranks would hold {share} {what} of NVFP4 weights, not a whole number of "
+            f"{BLOCK}-input scale blocks: pick a world size that gives multiples of {BLOCK}"
+        )
+
+
 def _column_rows(out_features: int, sections: tuple[int, ...] | None, rank: int, world: int, name: str) -> torch.Tensor:
     sections = sections or (out_features,)
     if sum(sections) != out_features:
@@ -157,11 +173,7 @@ def shard_experts(experts: nn.Module, inter: int, rank: int, world: int, name: s
                           (down, lambda t: expert_columns(t, rank, world, name))):
             setattr(experts, attr, nn.Parameter(cut(getattr(experts, attr).detach()), requires_grad=False))
         return
-    if (inter // world) % BLOCK:
-        raise ValueError(
-            f"{name}: each of {world} ranks would hold {inter // world} intermediate columns of NVFP4 experts, not a "
-            f"whole number of {BLOCK}-input scale blocks: pick a world size that gives multiples of {BLOCK}"
-        )
+    _whole_scale_blocks(inter // world, world, name, "intermediate columns")
     for attr in (gate_up, f"{gate_up}_scale"):
         setattr(experts, attr, expert_rows(getattr(experts, attr), (inter, inter), rank, world, name))
     for attr in (down, f"{down}_scale"):
@@ -197,11 +209,7 @@ def shard_layer(
     start = rank * share
     bias = layer.bias.detach().clone() if layer.bias is not None else None
     if nvfp4:
-        if share % BLOCK:
-            raise ValueError(
-                f"{name}: each of {world} ranks would hold {share} inputs of an NVFP4 layer, which is not a whole "
-                f"number of {BLOCK}-input scale blocks: pick a world size that gives multiples of {BLOCK}"
-            )
+        _whole_scale_blocks(share, world, name, "inputs")
         shard = NVFP4Linear.from_checkpoint(
             layer.weight[:, start // 2 : (start + share) // 2], layer.weight_scale[:, start // BLOCK : (start + share) // BLOCK],
             layer.weight_scale_2, layer.input_scale, None, dtype=_dtype(layer), check_scale=False)
@@ -229,11 +237,8 @@ def tensor_parallel(
     ``capture_all_reduce=False`` (default): the all-reduces are splitting ops and run eagerly between pieces,
     which works with any backend. True: they are captured inside the CUDA graphs (NCCL), which saves a piece
     and the host work per all-reduce."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("tensor_parallel needs torch.distributed initialised first: call dist.init_process_group(...)")
-    group = group or dist.group.WORLD
-    return shard_modules(model, plan, dist.get_rank(group), dist.get_world_size(group), group_name(group),
-                         in_graph=capture_all_reduce)
+    rank, world, name = rank_of(group)
+    return shard_modules(model, plan, rank, world, name, in_graph=capture_all_reduce)
 
 
 def shard_modules(

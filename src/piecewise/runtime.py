@@ -171,18 +171,20 @@ class PiecewiseModel:
             raise ValueError("piecewise: called with 0 tokens; call with at least one token")
         return count
 
+    def _adopt_late(self, arguments: dict[str, Any], tokens: int) -> None:
+        """A tensor first given after the first call (None before) follows the first call's rules: a token
+        argument (slot mappings: padded and staged per call), or a static tensor read and written in place."""
+        for name, value in arguments.items():
+            if not isinstance(value, torch.Tensor) or name in self._dynamic or name in self._static_ptrs:
+                continue
+            self._late.add(name)
+            if not self._dynamic_given and 1 <= value.dim() <= 2 and value.shape[0] == tokens:
+                self._dynamic[name] = 0
+            else:
+                self._static_ptrs[name] = value.data_ptr()
+                self.state.stable_ptrs.add(value.data_ptr())
+
     def _check_static(self, arguments: dict[str, Any]) -> None:
-        if self._prepared:  # a tensor first given after the first call (None before): the first call's rules
-            tokens = arguments[next(iter(self._dynamic))].shape[0]
-            for name, value in arguments.items():
-                if not isinstance(value, torch.Tensor) or name in self._dynamic or name in self._static_ptrs:
-                    continue
-                self._late.add(name)
-                if not self._dynamic_given and 1 <= value.dim() <= 2 and value.shape[0] == tokens:
-                    self._dynamic[name] = 0  # a token argument (slot mappings): padded and staged per call
-                else:  # a static tensor (a KV cache): read and written in place
-                    self._static_ptrs[name] = value.data_ptr()
-                    self.state.stable_ptrs.add(value.data_ptr())
         for name, pointer in self._static_ptrs.items():
             value = arguments.get(name)
             if value is None and name in self._late:
@@ -206,6 +208,8 @@ class PiecewiseModel:
     def __call__(self, *args, **kwargs) -> Any:
         arguments = self._bind(args, kwargs)
         tokens = self._token_count(arguments)
+        if self._prepared:
+            self._adopt_late(arguments, tokens)
         self._check_static(arguments)
         self._last_arguments = arguments
         with torch.no_grad():

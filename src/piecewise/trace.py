@@ -106,10 +106,9 @@ class ForwardTracer:
             if self.direct.broken:
                 self.direct = None
         try:
-            if self.first_trace_done:  # a retrace (new argument types) must not specialise sizes 0/1 either
-                with _compat.tracing_patches():
+            with _compat.tracing_patches():  # retraces (new argument types) too: sizes 0/1 stay unspecialised
+                if self.first_trace_done:
                     return self.compiled(*args, **kwargs)
-            with _compat.tracing_patches():
                 try:
                     output = self.compiled(*args, **kwargs)
                 except _compat.Unsupported as exc:

@@ -226,38 +226,26 @@ def tensor_parallel(model: nn.Module, group=None, *, capture_all_reduce: bool = 
     routed experts (bf16 or NVFP4) keep their share of the intermediate dimension and their partial output is
     all-reduced, when they run as piecewise's experts (``enable(model, experts=True)``, or after ``quantize``);
     transformers' own (``grouped_mm``) stay whole on every rank. Returns the qualified names sharded."""
-    import torch.distributed as dist
-
-    from ..parallel import check_divisible, group_name, world_size
+    from ..parallel import check_divisible, rank_of, shard_experts
     from ..parallel import tensor_parallel as shard
 
     c = model.config
-    world = world_size(group)
+    rank, world, name = rank_of(group)
     check_divisible({"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
                      "intermediate_size": getattr(c, "intermediate_size", world)}, world, "config")
     sharded = shard(model, TENSOR_PARALLEL_PLAN, group, capture_all_reduce=capture_all_reduce)
-    group = group or dist.group.WORLD
-    rank, name = dist.get_rank(group), group_name(group)
     ours = getattr(c, "_experts_implementation", None) == NAME  # transformers' own experts would not all-reduce
     for qualified, module in model.named_modules():
-        if ours and (_is_experts(module) or getattr(module, "nvfp4", None) is not None):
-            _shard_experts(module, c.moe_intermediate_size, rank, world, qualified)
+        nvfp4 = getattr(module, "nvfp4", None)  # the NVFP4 copies quantize made, or the bf16 stacks
+        if ours and (_is_experts(module) or nvfp4 is not None):
+            if nvfp4 is None:
+                shard_experts(module, c.moe_intermediate_size, rank, world, qualified, "gate_up_proj", "down_proj")
+            else:
+                shard_experts(nvfp4, c.moe_intermediate_size, rank, world, qualified)
             module.piecewise_reduce = (name, capture_all_reduce)
             sharded.append(qualified)
     model.piecewise_world_size = world
     return sharded
-
-
-def _shard_experts(module: nn.Module, inter: int, rank: int, world: int, name: str) -> None:
-    """The stacked experts' share of the intermediate dimension (bf16 ``gate_up_proj`` / ``down_proj``, or the
-    NVFP4 copies ``quantize`` made)."""
-    from ..parallel import shard_experts
-
-    q = getattr(module, "nvfp4", None)
-    if q is None:
-        shard_experts(module, inter, rank, world, name, "gate_up_proj", "down_proj")
-    else:
-        shard_experts(q, inter, rank, world, name)
 
 
 class TokenModel(nn.Module):

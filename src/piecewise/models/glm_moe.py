@@ -197,16 +197,12 @@ def tensor_parallel_glm_moe(model: GlmMoeModel, group=None, *, capture_all_reduc
     each MoE block every routed expert (bf16 or NVFP4) and the shared expert keep 1/world of their intermediate
     dimension, and the block's two partial outputs are summed by one all-reduce. The router stays whole (every
     rank routes every token the same way). Returns the qualified names sharded."""
-    import torch.distributed as dist
-
-    from ..parallel import Column, check_divisible, group_name, shard_experts, shard_layer, world_size
+    from ..parallel import Column, check_divisible, rank_of, shard_experts, shard_layer
 
     c = model.config
-    world = world_size(group)
+    rank, world, name = rank_of(group)
     check_divisible({"moe_intermediate_size": c.moe_intermediate_size}, world, "config")
     sharded = tensor_parallel_llama(model, group, capture_all_reduce=capture_all_reduce)
-    group = group or dist.group.WORLD
-    rank, name = dist.get_rank(group), group_name(group)
     shared = c.moe_intermediate_size * c.n_shared_experts
     for qualified, module in model.named_modules():
         if isinstance(module, GlmMoE):
