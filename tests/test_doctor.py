@@ -110,6 +110,7 @@ CASES = [
     (bm.PrintModel, "logging", "logging/print"),
     (bm.ContextManagerModel, "unsupported_context_manager", "unsupported_context_manager"),
     (bm.TimingModel, "unsupported_builtin", "unsupported_builtin"),
+    (bm.StepCountModel, "state_update", "state_update"),
 ]
 
 
@@ -123,6 +124,15 @@ def test_each_kind_is_found_at_the_marked_line(model_class: type, kind: str, tag
     assert blocker.location.function == "forward"
     assert blocker.fix == FIXES[kind]
     assert blocker.message
+
+
+def test_state_update_names_the_state_and_a_cache_write_is_no_blocker() -> None:
+    from fixtures.state_models import CacheWriter
+
+    report = doctor(bm.StepCountModel(), bm.example_input())
+    assert "`+=` updates `self.steps` in place from its own value" in report.blockers[0].message
+    assert "piecewise.context().rehearsal" in report.blockers[0].fix
+    assert doctor(CacheWriter(), torch.randn(3, 8), torch.arange(3), torch.zeros(2, 16, 8)).blockers == []
 
 
 def test_compiler_disabled_message_names_the_function() -> None:

@@ -381,12 +381,31 @@ def test_guard_filter_keeps_argument_and_attribute_guards_and_drops_module_struc
     assert drop_shape_guards(entries) == list(cases.values())
 
 
-def test_no_splitting_ops_gives_one_piece():
-    model, (ids, positions, cache) = example(tokens=4)
+def test_no_splitting_ops_still_runs_cache_writes_on_the_real_rows():
+    """With splitting_ops=() the attention op would be captured inside a piece, where it would also write the
+    KV cache for the padding rows (position 0 of each pad row). It writes a static tensor, so it is cut out
+    and runs eagerly on the real rows all the same; without cache writes the model is one piece."""
+    model, (ids, positions, cache) = example(tokens=4, num_layers=2)
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, splitting_ops=()))
-    out, ref, cache, reference_cache = run_pair(model, runner, 4, cache)
-    assert runner.stats["pieces"] == 1 and runner.stats["splitting_op_calls"] == 0
-    assert rel_error(out, ref) <= 1e-5
+    with torch.no_grad():
+        for tokens, start in ((3, 0), (1, 3), (5, 4)):  # padded to 4, 1, 8
+            out, ref, cache, reference_cache = run_pair(model, runner, tokens, cache, start=start)
+            assert rel_error(out, ref) <= 1e-5
+            assert rel_error(cache, reference_cache) <= 1e-6
+    assert runner.stats["eager_writes"] == 2 and runner.stats["pieces"] == 3
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return record_rows(self.linear(x)).relu()
+
+    plain = piecewise.compile(Plain(), piecewise.CaptureConfig(max_tokens=8, splitting_ops=()))
+    with torch.no_grad():
+        plain(torch.randn(3, 4))
+    assert plain.stats["pieces"] == 1 and plain.stats["splitting_op_calls"] == 0
 
 
 def test_keyword_arguments_and_tuple_outputs():
@@ -443,3 +462,74 @@ def test_random_shapes_and_sizes_equal_eager(layers, kv_heads, group, head_dim, 
             assert rel_error(cache, reference_cache) <= 1e-5
     assert runner.stats["traces"] == 1
     assert runner.stats["pieces"] == layers + 1
+
+
+def test_cache_writes_in_traced_code_run_on_the_real_rows():
+    """`cache[...].index_copy_(0, positions, k)` and `cache[1][positions] = v` written in the forward itself:
+    inside a piece they would also run for the padding rows (positions 0), overwriting position 0. They are
+    cut out and run eagerly on the real rows; outputs and cache equal eager's at every padded size."""
+    from fixtures.state_models import CacheWriter
+
+    torch.manual_seed(0)
+    model = CacheWriter()
+    cache, expected = torch.zeros(2, 32, 8), torch.zeros(2, 32, 8)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    start = 0
+    with torch.no_grad():
+        for tokens in (3, 1, 5, 2, 7, 10):  # padded to 4, 1, 8, 2, 8; 10 runs unpadded
+            x, positions = torch.randn(tokens, 8), torch.arange(start, start + tokens)
+            torch.testing.assert_close(runner(x, positions, cache), model(x, positions, expected))
+            torch.testing.assert_close(cache, expected)
+            start += tokens
+    assert runner.stats["eager_writes"] == 2 and runner.stats["pieces"] == 3
+
+
+@pytest.mark.parametrize("update", ["+=", "add_", "index_put_accumulate"])
+def test_state_updated_from_its_own_value_is_refused(update):
+    from fixtures.state_models import StepCounter
+
+    model = StepCounter()
+    if update != "+=":
+        def forward(x):
+            if update == "add_":
+                model.steps.add_(1)
+            else:
+                model.steps.view(1).index_put_((torch.zeros(1, dtype=torch.long),), torch.ones(1), accumulate=True)
+            return model.linear(x) * 2
+        model.forward = forward
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad(), pytest.raises(ValueError) as failure:
+        runner(torch.randn(3, 8))
+    message = str(failure.value)
+    assert "in place from its own value" in message and "steps" in message
+    assert "piecewise.context().rehearsal" in message and "opaque_op(..., split=True)" in message
+    assert ("state_models.py:" if update == "+=" else "test_runtime.py:") in message
+
+
+def test_a_splitting_op_counts_each_call_once_by_skipping_rehearsals():
+    """The first call runs the model several times (warm-up, then per capture size on CUDA); a splitting op
+    that skips its update while context().rehearsal is True counts every call exactly once."""
+    from fixtures.state_models import CallCounter
+
+    model = CallCounter()
+    counter, expected = torch.zeros(()), torch.zeros(())
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        for calls, tokens in enumerate((3, 5, 1, 12), start=1):  # 12 > max_tokens runs unpadded
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x, counter), model(x, expected))
+            assert float(counter) == float(expected) == calls
+
+
+def test_a_one_token_check_from_indexing_names_the_line_with_its_full_path_and_the_alternative():
+    import os
+
+    from fixtures import state_models
+
+    runner = piecewise.compile(state_models.SetItemWriter(), piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad(), pytest.raises(ValueError) as failure:
+        runner(torch.randn(3, 8), torch.arange(3), torch.zeros(16, 8))
+    message = str(failure.value)
+    assert "depends on the token count" in message and "cache[positions] = self.proj(x)" in message
+    assert f"{os.path.abspath(state_models.__file__)}:" in message  # torch's location cuts the path short
+    assert "x.index_copy_(0, index, values)" in message

@@ -6,6 +6,9 @@ Checked on torch 2.11 (CUDA) and 2.13 (CPU).
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -181,6 +184,22 @@ def compile_options() -> dict[str, Any]:
     return {"guard_filter_fn": drop_shape_guards}
 
 
+def _full_paths(where: str) -> str:
+    """torch shortens a user file's path in a guard's location by the length of its common prefix with
+    torch's own directory (``/work/m/model.py`` → ``ork/m/model.py``); put back the path of the loaded module
+    that ends with it."""
+
+    def restore(match: re.Match) -> str:
+        short = match.group(1)
+        if os.path.exists(short):
+            return match.group(0)
+        files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
+        found = sorted(f for f in files if isinstance(f, str) and f.endswith(short))
+        return f"# {found[0]}:" if len(found) == 1 else match.group(0)
+
+    return re.sub(r"# (\S+?):(?=\d)", restore, where)
+
+
 def token_guard_failures(example_inputs: list[Any], sizes: list[int]) -> list[tuple[str, str, int]]:
     """Shape conditions recorded while tracing that some capture size violates: (condition, where, size)."""
     fake_mode = fake_mode_of(example_inputs)
@@ -201,7 +220,7 @@ def token_guard_failures(example_inputs: list[Any], sizes: list[int]) -> list[tu
             if not holds:
                 sloc = getattr(guard, "sloc", None)
                 where = getattr(sloc, "maybe_user_loc", None) or str(sloc or "unknown location")
-                failures.append((str(expr), where, size))
+                failures.append((str(expr), _full_paths(where), size))
                 break
     return failures
 
@@ -212,6 +231,14 @@ def argument_source(placeholder: Any) -> str:
     source = getattr(grapharg, "source", None)
     name = getattr(source, "name", None)
     name = name() if callable(name) else name  # a method or a property, by torch version
-    if isinstance(name, str) and name.startswith("L['") and name.endswith("']"):
-        return f"argument {name[3:-2]!r}"
+    match = re.fullmatch(r"L\['(\w+)'\](.*)", name) if isinstance(name, str) else None
+    if match and not match.group(2):
+        return f"argument {match.group(1)!r}"
+    if match:  # L['self']._modules['mlp']._buffers['steps'] → self.mlp.steps
+        path = re.sub(r"\._(?:modules|parameters|buffers)\['(\w+)'\]", r".\1", match.group(2))
+        return f"`{match.group(1)}{path}`"
+    if name is None:  # no source recorded (graphs from torch._dynamo.explain): Dynamo's placeholder name
+        own = re.fullmatch(r"l_self_((?:modules|parameters|buffers)_\w+)_", placeholder.name)
+        if own:  # l_self_modules_mlp_buffers_steps_ → self.mlp.steps
+            return "`self" + re.sub(r"(?:^|_)(?:modules|parameters|buffers)_", ".", own.group(1)) + "`"
     return f"`{name or placeholder.name}`"

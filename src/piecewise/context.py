@@ -15,6 +15,10 @@ class ForwardContext:
     """Token count the captured pieces run at (the capture size, or ``num_tokens`` without graphs)."""
     capturing: bool = False
     """True while CUDA graphs are being recorded (kernels launched now are recorded, not run)."""
+    rehearsal: bool = False
+    """True in the runs of a runner's first call that only warm up, trace and capture (their results are
+    discarded; the call then runs once more for real). A splitting op that accumulates state (a counter, a
+    running sum) skips the update when this is True, so the update happens once per call."""
 
 
 _current: list[ForwardContext] = []
@@ -31,8 +35,8 @@ class forward_context:
 
     __slots__ = ("ctx",)
 
-    def __init__(self, num_tokens: int, padded_tokens: int, capturing: bool = False):
-        self.ctx = ForwardContext(num_tokens, padded_tokens, capturing)
+    def __init__(self, num_tokens: int, padded_tokens: int, capturing: bool = False, rehearsal: bool = False):
+        self.ctx = ForwardContext(num_tokens, padded_tokens, capturing, rehearsal)
 
     def __enter__(self) -> ForwardContext:
         _current.append(self.ctx)

@@ -285,8 +285,8 @@ class SplitOpRunner:
         call_args = args if rows == size else self._real_rows(args, rows, size, phase == REPLAY)
         result = self.call(*call_args)
         if self.single_output:
-            return self._stage(0, result, rows, size)
-        return tuple(self._stage(i, value, rows, size) for i, value in enumerate(result))
+            return self._stage(0, result, rows, size, args)
+        return tuple(self._stage(i, value, rows, size, args) for i, value in enumerate(result))
 
     def _real_rows(self, args: tuple, rows: int, size: int, keep: bool) -> list:
         """The first ``rows`` rows of each token argument. On replay the arguments are the same tensors
@@ -299,7 +299,7 @@ class SplitOpRunner:
             self.sliced[(size, rows)] = (args, call_args)
         return call_args
 
-    def _stage(self, index: int, value: Any, rows: int, size: int) -> Any:
+    def _stage(self, index: int, value: Any, rows: int, size: int, args: tuple) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         token = self.token_outputs[index]
@@ -318,6 +318,8 @@ class SplitOpRunner:
                 f"depend only on the token count (check its fake implementation)"
             )
         if not token:
+            if any(value is arg for arg in args):  # an in-place op returning the static tensor it wrote
+                return value
             buffer.copy_(value)
             return buffer
         rows_buffer = self.row_buffers[index]
@@ -334,11 +336,14 @@ class GraphRunner:
         state: CaptureState,
         compiler: PieceCompiler,
         splitting_ops: frozenset[str],
+        eager_writes: dict[torch.fx.Node, str] | None = None,
     ):
         self.state = state
         self.graphs_allowed = state.graphs_enabled and not state.capture_done
         started = time.perf_counter()
-        self.split_graph, partitions = split_graph(graph, splitting_ops)
+        self.eager_writes = list((eager_writes or {}).values())
+        """In-place writes into static tensors cut out of the pieces (see ``PiecewiseModel._static_writes``)."""
+        self.split_graph, partitions = split_graph(graph, splitting_ops, eager_writes)
         self.pieces: list[PieceRunner] = []
         self.splitting_ops: list[SplitOpRunner] = []
         for partition in partitions:

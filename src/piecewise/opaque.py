@@ -129,7 +129,17 @@ def _register(
     info.impl = body
     body.__signature__ = inspect.signature(impl)  # custom_op infers the schema from this signature
     body.__annotations__ = getattr(impl, "__annotations__", {})
-    mutates = tuple(mutates_args) if not isinstance(mutates_args, str) else mutates_args
+    if isinstance(mutates_args, str):  # one argument's name, or torch's "unknown"
+        mutates = mutates_args if mutates_args == "unknown" else (mutates_args,)
+    else:
+        mutates = tuple(mutates_args)
+    parameters = inspect.signature(impl).parameters
+    missing = [name for name in ([] if mutates == "unknown" else mutates) if name not in parameters]
+    if missing:
+        raise ValueError(
+            f"cannot make {qualified!r} an opaque op: mutates_args names {missing}, which "
+            f"{getattr(impl, '__name__', 'the function')} has no parameter for; its parameters: {list(parameters)}"
+        )
     try:
         op = torch.library.custom_op(qualified, body, mutates_args=mutates, schema=schema)
     except (ValueError, RuntimeError) as exc:
@@ -157,7 +167,7 @@ def opaque_op(
 
     ``name`` is ``"namespace::name"`` (a bare name goes to ``piecewise_ops``). ``fake`` computes output
     metadata from fake inputs (default: one tensor like the first tensor argument; ops returning nothing
-    need none). ``mutates_args`` names arguments written in place. ``split=True`` makes it a splitting op.
+    need none). ``mutates_args`` names the arguments written in place (one name, or several). ``split=True`` makes it a splitting op.
     Returns the callable op.
     """
     qualified = _check_name(name)

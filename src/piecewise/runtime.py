@@ -7,6 +7,7 @@ import contextlib
 import gc
 import inspect
 import logging
+import re
 import time
 import warnings
 from typing import Any
@@ -19,7 +20,7 @@ from .config import CaptureConfig
 from .context import forward_context
 from .cudagraph import CAPTURE, DIRECT, PADDED, REPLAY, CaptureState, GraphRunner, RowBuffer, is_token_tensor
 from .opaque import op_name, splitting_op_names
-from .split import writes_to_inputs
+from .split import accumulates, describe_write, user_line, writes_to_inputs
 from .trace import ForwardTracer
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class PiecewiseModel:
         self.stats: dict[str, Any] = {
             "pieces": 0,
             "splitting_op_calls": 0,
+            "eager_writes": 0,
             "capture_sizes": list(self._sizes),
             "captured_sizes": [],
             "graphs": 0,
@@ -311,7 +313,9 @@ class PiecewiseModel:
         self.state.stable_ptrs.update(self._static_ptrs.values())
         self._first_signature = self._signature(arguments)
         started = time.perf_counter()
-        self.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
+        tokens = arguments[next(iter(self._dynamic))].shape[0]
+        with forward_context(tokens, tokens, rehearsal=True):
+            self.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
         self.stats["prewarm_seconds"] = time.perf_counter() - started
         devices = {t.device.type for t in model_tensors} | {arguments[n].device.type for n in self._dynamic}
         use_graphs = self.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()
@@ -357,7 +361,7 @@ class PiecewiseModel:
                     for phase in (PADDED, CAPTURE):
                         state.phase = phase
                         state.token_outputs.clear()
-                        with forward_context(rows, size, capturing=phase == CAPTURE):
+                        with forward_context(rows, size, capturing=phase == CAPTURE, rehearsal=True):
                             self._call_compiled(staged)
                     for piece in state.captured_this_size:
                         piece.release_outputs(size)
@@ -408,11 +412,15 @@ class PiecewiseModel:
         failures = _compat.token_guard_failures(example_inputs, self._sizes)
         if failures:
             condition, where, size = failures[0]
+            hint = ""
+            if size == 1 and re.fullmatch(r"(Ne|Eq)\(\w+,1\)", condition.replace(" ", "")):
+                hint = (" A check against one token usually comes from broadcasting, e.g. in `x[index] = values`: "
+                        "`x.index_copy_(0, index, values)` or `x.index_put_((index,), values)` trace without it.")
             raise ValueError(
                 f"piecewise: the forward depends on the token count: it evaluates `{condition}` at {where}, "
                 f"which is false for capture size {size}. One trace serves every token count, so the forward "
                 f"must not branch on it: move the branch out of forward, or make that code a splitting op "
-                f"(piecewise.opaque_op(..., split=True))."
+                f"(piecewise.opaque_op(..., split=True)).{hint}"
             )
         token_inputs = [node for node in graph.graph.nodes
                         if node.op == "placeholder" and is_token_tensor(node.meta.get("example_value"))]
@@ -426,7 +434,38 @@ class PiecewiseModel:
                 f"dynamic={{...}} naming only the real token arguments; token arguments: {list(self._dynamic)}."
             )
         splitting = frozenset(self.config.splitting_ops) if self.config.splitting_ops is not None else splitting_op_names()
-        return GraphRunner(graph, self.state, self._compiler, splitting)
+        return GraphRunner(graph, self.state, self._compiler, splitting, self._static_writes(graph, token_inputs, splitting))
+
+    def _static_writes(self, graph: torch.fx.GraphModule, token_inputs: list, splitting: frozenset[str]) -> dict:
+        """In-place writes of traced code into static tensors (arguments, parameters, buffers) → a label each.
+
+        Such a write runs eagerly between pieces, on the real rows: inside a piece it would also run for the
+        padding rows (a KV-cache write at the padded positions would overwrite position 0). A write that reads
+        what it overwrites (``+=``, ``add_``) is refused: the first call runs the model several times."""
+        static = [node for node in graph.graph.nodes if node.op == "placeholder" and node not in token_inputs
+                  and isinstance(node.meta.get("example_value"), torch.Tensor)]
+        eager: dict = {}
+        for writer, placeholder in writes_to_inputs(graph, static):
+            if writer in eager or (writer.op == "call_function" and op_name(writer.target) in splitting):
+                continue
+            what, target, where = describe_write(writer), _compat.argument_source(placeholder), user_line(writer)
+            if accumulates(writer):
+                raise ValueError(
+                    f"piecewise: {what} at {where or 'an unknown line'} updates {target} in place from its own "
+                    f"value. The first call runs the model several times on its inputs (warm-up, then one run per "
+                    f"capture size), so the update would be applied more than once. Keep such state out of the "
+                    f"traced forward, or move the update into a splitting op "
+                    f"(piecewise.opaque_op(..., split=True)) that skips it while piecewise.context().rehearsal is "
+                    f"True."
+                )
+            eager[writer] = f"{what} into {target}" + (f" ({where})" if where else "")
+        if eager:
+            logger.info(
+                "piecewise: %d in-place write(s) into static tensors run eagerly between pieces, on the real rows "
+                "only (%s); a KV-cache write inside an attention splitting op avoids the extra cut",
+                len(eager), "; ".join(eager.values()),
+            )
+        return eager
 
     def _on_new_graph(self, runner: GraphRunner) -> None:
         self._traced_in_call = True
@@ -445,6 +484,7 @@ class PiecewiseModel:
             )
             return
         self.stats["pieces"] += len(runner.pieces)
+        self.stats["eager_writes"] += len(runner.eager_writes)
         self.stats["graph_breaks"] = len(self._tracer.blockers) if self._tracer.graph_breaks else 0
 
     def _signature(self, arguments: dict[str, Any]) -> dict[str, Any]:

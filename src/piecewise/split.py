@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -30,19 +31,21 @@ def _is_split_node(node: torch.fx.Node, splitting_ops: frozenset[str]) -> str | 
 
 
 def split_graph(
-    graph: torch.fx.GraphModule, splitting_ops: frozenset[str]
+    graph: torch.fx.GraphModule, splitting_ops: frozenset[str], eager_nodes: dict[torch.fx.Node, str] | None = None
 ) -> tuple[torch.fx.GraphModule, list[Partition]]:
-    """Split ``graph`` so every splitting-op call sits alone in its own partition.
+    """Split ``graph`` so every splitting-op call, and every node of ``eager_nodes`` (node → label), sits alone
+    in its own partition.
 
     Partitions keep the original order; the returned list follows the execution order of the split graph.
     """
+    eager_nodes = eager_nodes or {}
     partition_of: dict[torch.fx.Node, int] = {}
     split_names: dict[int, str] = {}
     current = 0
     for node in graph.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        op = _is_split_node(node, splitting_ops)
+        op = eager_nodes.get(node) or _is_split_node(node, splitting_ops)
         if op is not None:
             current += 1
             partition_of[node] = current
@@ -61,10 +64,54 @@ def split_graph(
     return split, partitions
 
 
+_IN_PLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+})
+_AUGMENTED = {"iadd": "+=", "isub": "-=", "imul": "*=", "itruediv": "/=", "ifloordiv": "//=", "imod": "%=",
+              "ipow": "**=", "iand": "&=", "ior": "|=", "ixor": "^=", "ilshift": "<<=", "irshift": ">>="}
+# In-place methods whose result depends on the tensor's previous value (run twice, they give another result).
+_ACCUMULATING_METHODS = frozenset({
+    "add_", "sub_", "mul_", "div_", "true_divide_", "floor_divide_", "remainder_", "fmod_", "pow_", "addcmul_",
+    "addcdiv_", "addmm_", "addbmm_", "baddbmm_", "addmv_", "addr_", "index_add_", "scatter_add_",
+    "scatter_reduce_", "index_reduce_", "lerp_", "exp_", "log_", "neg_", "reciprocal_", "sqrt_", "rsqrt_",
+    "abs_", "sigmoid_", "tanh_", "bitwise_xor_", "logical_not_", "cumsum_", "cumprod_", "t_", "transpose_",
+    "squeeze_", "unsqueeze_", "resize_", "bitwise_not_", "square_", "sign_", "sin_", "cos_", "exponential_",
+    "normal_", "uniform_", "bernoulli_", "random_", "geometric_", "cauchy_", "log_normal_",
+})
+
+
+def _method_name(node: torch.fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        packet = getattr(node.target, "overloadpacket", None)
+        name = getattr(packet, "__name__", None) or getattr(node.target, "__name__", None)
+        return name if isinstance(name, str) else None
+    return None
+
+
+def accumulates(node: torch.fx.Node) -> bool:
+    """Whether an in-place ``node`` reads what it overwrites (``+=``, ``add_``, ``index_put_(accumulate=True)``,
+    ``scatter_(reduce=...)``): run again on the same inputs, it gives another result."""
+    if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
+        return node.target is not operator.setitem
+    name = _method_name(node)
+    if name in _ACCUMULATING_METHODS:
+        return True
+    if name in ("index_put_", "_index_put_impl_"):
+        accumulate = node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False)
+        return bool(accumulate)
+    if name == "scatter_":
+        return node.kwargs.get("reduce", node.args[4] if len(node.args) > 4 else None) is not None
+    return False
+
+
 def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The arguments ``node`` writes in place: a schema's mutable arguments, or ``self`` of an in-place method."""
+    """The arguments ``node`` writes in place: a schema's mutable arguments, ``self`` of an in-place method,
+    or the target of ``x[i] = v`` / ``x += v``."""
     if (node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__")) or (
-            node.op == "call_function" and node.target is operator.setitem):
+            node.op == "call_function" and node.target in _IN_PLACE_OPERATORS):
         return [node.args[0]] if node.args and isinstance(node.args[0], torch.fx.Node) else []
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None:
@@ -100,3 +147,20 @@ def writes_to_inputs(graph: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -
             if placeholder is not None:
                 found.append((node, placeholder))
     return found
+
+
+def describe_write(node: torch.fx.Node) -> str:
+    """How the user wrote an in-place ``node``: ``x[...] = v``, ``+=``, ``.index_copy_()``, ``mylib::op``."""
+    if node.op == "call_function" and node.target is operator.setitem:
+        return "`x[...] = value`"
+    if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
+        return f"`{_AUGMENTED.get(node.target.__name__, node.target.__name__)}`"
+    name = op_name(node.target) if node.op == "call_function" else None
+    return name or f"`.{_method_name(node)}()`"
+
+
+def user_line(node: torch.fx.Node) -> str:
+    """``file:line`` of the model code that made ``node`` (its innermost frame), or "" when unknown."""
+    trace = node.meta.get("stack_trace") or ""
+    found = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    return f"{found[-1][0]}:{found[-1][1]}" if found else ""

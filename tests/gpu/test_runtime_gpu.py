@@ -137,3 +137,38 @@ def test_released_graphs_free_the_pool_and_calls_stay_correct():
         out = runner(step_ids, step_positions, cache)
         assert rel_error(out, ref) <= 1e-2, tokens
     assert runner.stats["replays"] == replays
+
+
+def test_cache_writes_in_traced_code_replay_on_the_real_rows():
+    """Writes into a static cache in plain traced code run eagerly between the captured pieces, on the real
+    rows: the padding rows of a replayed size never reach the cache."""
+    from fixtures.state_models import CacheWriter
+
+    torch.manual_seed(0)
+    model = CacheWriter().cuda()
+    cache, expected = torch.zeros(2, 64, 8, device="cuda"), torch.zeros(2, 64, 8, device="cuda")
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16))
+    start = 0
+    with torch.no_grad():
+        for tokens in (3, 1, 5, 2, 7, 13, 20):  # padded to 4, 1, 8, 2, 8, 16; 20 runs unpadded
+            x, positions = torch.randn(tokens, 8, device="cuda"), torch.arange(start, start + tokens, device="cuda")
+            torch.testing.assert_close(runner(x, positions, cache), model(x, positions, expected))
+            torch.testing.assert_close(cache, expected)
+            start += tokens
+    assert runner.stats["cuda_graphs"] and runner.stats["replays"] > 0 and runner.stats["eager_writes"] == 2
+
+
+def test_a_splitting_op_counts_each_call_once_through_capture():
+    """The first call warms up, then runs and captures every size (1 + 2·sizes rehearsals); a splitting op
+    that skips context().rehearsal counts it once."""
+    from fixtures.state_models import CallCounter
+
+    model = CallCounter().cuda()
+    counter, expected = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        for calls, tokens in enumerate((3, 5, 1, 16, 40), start=1):
+            x = torch.randn(tokens, 8, device="cuda")
+            torch.testing.assert_close(runner(x, counter), model(x, expected))
+            assert float(counter) == float(expected) == calls
+    assert runner.stats["cuda_graphs"] and len(runner.stats["captured_sizes"]) > 1

@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from piecewise import _compat
 from piecewise.diagnostics import _dynamo
 from piecewise.diagnostics.classify import FIXES, KINDS, analyse, jit_fix
+from piecewise.split import accumulates, describe_write, writes_to_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +166,19 @@ def _source_file(fn: Callable) -> str | None:
 
 
 def _graph_blockers(graphs: list[torch.fx.GraphModule], root_file: str | None) -> list[Blocker]:
-    """Hazards Dynamo traces without a graph break: host copies and hoisted Python RNG values."""
+    """Hazards Dynamo traces without a graph break: host copies, hoisted Python RNG values, and state
+    updated in place from its own value."""
     found = []
     for graph_module in graphs:
+        inputs = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
+        for writer, placeholder in writes_to_inputs(graph_module, inputs):
+            if accumulates(writer):
+                reason = (
+                    f"{describe_write(writer)} updates {_compat.argument_source(placeholder)} in place from its "
+                    f"own value\n  Explanation: the first piecewise call runs the model several times on its "
+                    f"inputs, so the update would be applied more than once."
+                )
+                found.append(_blocker(reason, None, _dynamo.node_stack(writer), root_file, kind="state_update"))
         for node in graph_module.graph.nodes:
             if node.op == "call_method" and node.target in _HOST_COPY_METHODS:
                 reason = (

@@ -29,6 +29,7 @@ KINDS = (
     "unsupported_context_manager",
     "unsupported_builtin",
     "capture_illegal",
+    "state_update",
 )
 
 FIXES: dict[str, str] = {
@@ -53,6 +54,14 @@ FIXES: dict[str, str] = {
         "A torch.compiler.disable region cannot be traced with fullgraph=True. Make the function an opaque op "
         "instead: fn = piecewise.wrap_opaque(fn, fake=...) (add split=True if it must run eagerly, outside "
         "the CUDA graphs)."
+    ),
+    "state_update": (
+        "State kept across calls and updated from its own value (a step counter, a running sum, "
+        "index_add_/index_put_(accumulate=True)) would advance more than once: the first call runs the model "
+        "several times on its inputs (warm-up, then one run per capture size). Move the update into a "
+        "function made a splitting op, piecewise.opaque_op(name, mutates_args=..., split=True), that skips it "
+        "while piecewise.context().rehearsal is True, or keep the state outside forward. (Writes that only "
+        "overwrite, such as KV-cache writes at given positions, are fine.)"
     ),
     "python_rng": (
         "Python/NumPy randomness is drawn on the host, outside torch's generators and outside the graph. Use "
