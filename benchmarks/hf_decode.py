@@ -94,14 +94,19 @@ VARIANTS = (
 )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_arguments(description: str) -> argparse.Namespace:
+    """The options hf_decode.py and hf_tp_decode.py share."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence before the step")
     parser.add_argument("--batch", default="1,8,32", help="sequences decoding together, comma-separated")
-    parser.add_argument("--tiny", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--tiny", action="store_true", help="a small config (checks the script on any machine)")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_arguments(__doc__.splitlines()[0])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_decode import AIR, TINY, build, rel_error, timed  # noqa: E402
+from hf_decode import AIR, TINY, build, parse_arguments, rel_error, timed  # noqa: E402
 
 import piecewise  # noqa: E402
 from piecewise.integrations.transformers import TokenModel, enable, quantize, tensor_parallel  # noqa: E402
@@ -115,7 +115,7 @@ def write(args, single: dict, tp: dict, errors: dict, prompt_len: int, batches: 
              "| 2 GPUs (TP=2) | " + " | ".join(f"{tp[b]:.3f} ({errors[b]:.1e})" for b in batches) + " |", ""]
     print("\n".join(lines))
     if args.out:
-        out = Path(args.out)
+        out = args.out
         out.mkdir(parents=True, exist_ok=True)
         (out / "hf_tp_decode.json").write_text(json.dumps(
             {"meta": meta, "one_gpu_ms": single, "two_gpus_ms": tp, "rel_error": errors}, indent=2))
@@ -123,13 +123,7 @@ def write(args, single: dict, tp: dict, errors: dict, prompt_len: int, batches: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence before the step")
-    parser.add_argument("--batch", default="1,8,32", help="sequences decoding together, comma-separated")
-    parser.add_argument("--tiny", action="store_true")
-    args = parser.parse_args()
+    args = parse_arguments(__doc__.splitlines()[0])
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         print("hf_tp_decode.py needs two CUDA GPUs (or none: --tiny runs on two CPU processes)", file=sys.stderr)
         return 2
