@@ -41,8 +41,9 @@ def test_example_equals_eager_for_every_token_count(layers):
     assert stats["traces"] == 1
     assert stats["cuda_graphs"] is False and stats["graphs"] == 0 and stats["replays"] == 0
     assert stats["fallback_calls"] == 3
-    # every call after the first one skips Dynamo's frame hook (guard check + transformed code)
-    assert stats["direct_calls"] == config.max_tokens + 2
+    # every call skips Dynamo's frame hook (guard check + transformed code): the first call's padding check
+    # traced the forward
+    assert stats["direct_calls"] == config.max_tokens + 3
     assert stats["prewarm_seconds"] > 0
     assert runner.token_arguments == {"input_ids": 0, "positions": 0}
 
@@ -292,7 +293,7 @@ def test_changed_module_attribute_is_caught_by_the_guards_of_the_direct_call():
     with torch.no_grad():
         runner(x)
         torch.testing.assert_close(runner(x), model(x))
-        assert runner.stats["direct_calls"] == 1
+        assert runner.stats["direct_calls"] == 2
         model.scale = 3.0
         with pytest.warns(UserWarning, match="traced again"):
             out = runner(x)
@@ -303,7 +304,7 @@ def test_changed_module_attribute_is_caught_by_the_guards_of_the_direct_call():
             ref = model(x)
         assert out.dtype == ref.dtype == torch.bfloat16
         torch.testing.assert_close(out, ref)
-    assert runner.stats["traces"] == 3 and runner.stats["direct_calls"] == 1
+    assert runner.stats["traces"] == 3 and runner.stats["direct_calls"] == 2
 
 
 def test_direct_call_keeps_defaults_keyword_arguments_and_closures():
@@ -325,7 +326,7 @@ def test_direct_call_keeps_defaults_keyword_arguments_and_closures():
         for tokens in (3, 5, 1):
             x = torch.randn(tokens, 4)
             torch.testing.assert_close(runner(x, shift=shift), model(x, shift=shift))
-        assert runner.stats["traces"] == 1 and runner.stats["direct_calls"] == 2
+        assert runner.stats["traces"] == 1 and runner.stats["direct_calls"] == 3
         offset.add_(1.0)  # the closure's tensor changed in place: the graph reads it, no retrace needed
         x = torch.randn(2, 4)
         torch.testing.assert_close(runner(x, shift=shift), model(x, shift=shift))
@@ -354,7 +355,7 @@ def test_direct_call_that_cannot_check_guards_falls_back_to_dynamo(caplog):
         runner._tracer.direct.check = incompatible
         for _ in range(2):
             torch.testing.assert_close(runner(x), model(x))
-    assert runner.stats["direct_calls"] == 0 and runner.stats["traces"] == 1
+    assert runner.stats["direct_calls"] == 1 and runner.stats["traces"] == 1  # the first call's, before the swap
     assert "calls go through Dynamo" in caplog.text
 
 
@@ -533,3 +534,33 @@ def test_a_one_token_check_from_indexing_names_the_line_with_its_full_path_and_t
     assert "depends on the token count" in message and "cache[positions] = self.proj(x)" in message
     assert f"{os.path.abspath(state_models.__file__)}:" in message  # torch's location cuts the path short
     assert "x.index_copy_(0, index, values)" in message
+
+
+@pytest.mark.parametrize("how, line", [("sum", "return h + h.sum(0)"), ("softmax", "return h.softmax(0)"),
+                                       ("last", "return h[-1]")])
+def test_a_forward_that_mixes_token_rows_is_refused_with_the_line(how, line):
+    """Padding rows would change the real rows' results on every padded call: the first call runs its leading
+    tokens padded twice (zero padding, then copies of real rows) and refuses a forward whose results differ,
+    naming the candidate lines."""
+    from fixtures import state_models
+
+    runner = piecewise.compile(state_models.TokenMixing(how), piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        for _ in range(2):  # a second call checks again instead of running unchecked
+            with pytest.raises(ValueError) as failure:
+                runner(torch.randn(5, 8))
+            message = str(failure.value)
+            assert "the forward mixes tokens: with 1 real token(s) padded to 2" in message
+            assert f"state_models.py:" in message and f"(`{line}`)" in message
+            assert "piecewise.opaque_op(..., split=True)" in message
+
+
+def test_token_mixing_inside_a_splitting_op_passes_the_check_and_equals_eager():
+    from fixtures.state_models import SplitTokenMixing
+
+    model = SplitTokenMixing()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        for tokens in (5, 3, 1, 8, 11):
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))

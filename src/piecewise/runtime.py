@@ -20,7 +20,7 @@ from .config import CaptureConfig
 from .context import forward_context
 from .cudagraph import CAPTURE, DIRECT, PADDED, REPLAY, CaptureState, GraphRunner, RowBuffer, is_token_tensor
 from .opaque import op_name, splitting_op_names
-from .split import accumulates, describe_write, user_line, writes_to_inputs
+from .split import accumulates, describe_write, token_mixing_nodes, user_line, writes_to_inputs
 from .trace import ForwardTracer
 
 logger = logging.getLogger(__name__)
@@ -283,9 +283,9 @@ class PiecewiseModel:
             staged[name] = alias
         return staged
 
-    def _finish(self, output: Any, tokens: int, size: int) -> Any:
+    def _finish(self, output: Any, tokens: int, size: int, clone: bool | None = None) -> Any:
         token_ids = self.state.token_outputs
-        clone = self.config.clone_outputs
+        clone = self.config.clone_outputs if clone is None else clone
 
         def fix(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
@@ -321,11 +321,81 @@ class PiecewiseModel:
         use_graphs = self.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()
         self.state.graphs_enabled = use_graphs
         self.stats["cuda_graphs"] = use_graphs
+        try:
+            self._check_padding(arguments)
+        except ValueError:
+            self._prepared = False  # the next call checks again (and fails the same way)
+            raise
         if not use_graphs:
             reason = "disabled by CaptureConfig(cuda_graphs=False)" if not self.config.cuda_graphs else "no CUDA"
             logger.info("piecewise: pieces run without CUDA graphs (%s)", reason)
             return
         self._capture(arguments)
+
+    def _check_padding(self, arguments: dict[str, Any]) -> None:
+        """Run the first call's leading tokens padded by one row twice, the padding rows zero and then copies
+        of real rows: a forward that reads only its own row in the pieces (attention and other cross-token code
+        in splitting ops) gives the same real rows both times. One that mixes rows (a sum or softmax over the
+        tokens, ``x[-1]``) would return padding-dependent numbers on every padded call: refused here."""
+        sizes = [size for size in self._sizes if size >= 2]
+        if not sizes:
+            return
+        size = sizes[0]
+        given = self._given_tokens(arguments)
+        rows = min(arguments[given[0]].shape[0], size - 1)
+        state = self.state
+        results = []
+        direct_calls = self._tracer.direct_calls  # the check's calls are not the user's
+        for fill in ("zeros", "copies"):
+            staged = self._stage({**arguments, **{n: arguments[n][:rows] for n in given}}, rows, size)
+            if fill == "copies":
+                for name in given:
+                    value = arguments[name]
+                    staging = self._input_buffers[(name, value.dtype, value.device, value.shape[1:])]
+                    source = torch.arange(size - rows, device=value.device) % rows
+                    staging.buffer[rows:size] = staging.buffer[source]
+                    staging.dirty = max(staging.dirty, size)
+            state.phase, state.size, state.num_tokens = PADDED, size, rows
+            state.token_outputs.clear()
+            with forward_context(rows, size, rehearsal=True):
+                output = self._call_compiled(staged)
+            results.append(self._finish(output, rows, size, clone=True))
+        self._tracer.direct_calls = self.stats["direct_calls"] = direct_calls
+        for index, (zeros, copies) in enumerate(zip(*(torch.utils._pytree.tree_leaves(r) for r in results))):
+            if not (isinstance(zeros, torch.Tensor) and zeros.is_floating_point()):
+                continue
+            difference = float((zeros.double() - copies.double()).norm() / zeros.double().norm().clamp_min(1e-30))
+            tolerance = 1e-4 if zeros.dtype in (torch.float32, torch.float64) else 1e-2
+            if not difference <= tolerance:  # NaN included
+                raise ValueError(
+                    f"piecewise: the forward mixes tokens: with {rows} real token(s) padded to {size}, output "
+                    f"{index} (shape {tuple(zeros.shape)}) changes by {difference:.1e} (relative) when the padding "
+                    f"rows hold other values. Every call is padded to a capture size, so its results would depend "
+                    f"on the padding. Code outside splitting ops reads rows other than its own: a sum, mean, "
+                    f"softmax, cumsum or sort over the token dimension, or indexing such as x[-1].{self._mixing_hint()} "
+                    f"Make that code a splitting op (piecewise.opaque_op(..., split=True)), which sees only the "
+                    f"real rows, or move it out of forward."
+                )
+
+    def _mixing_hint(self) -> str:
+        """Where the traced pieces may combine token rows (see ``split.token_mixing_nodes``), as ``file:line``."""
+        import linecache
+
+        places = []
+        for runner in self.state.graph_runners:
+            for piece in runner.pieces:
+                for node in token_mixing_nodes(piece.graph_module):
+                    where = user_line(node)
+                    if where and where not in places:
+                        places.append(where)
+        if not places:
+            return ""
+        shown = []
+        for where in places[:5]:
+            path, _, line = where.rpartition(":")
+            code = linecache.getline(path, int(line)).strip()
+            shown.append(f"{where}" + (f" (`{code}`)" if code else ""))
+        return " Candidates: " + "; ".join(shown) + "."
 
     def capture(self, *args, **kwargs) -> None:
         """Warm up, trace and capture every size now (with these example inputs, or the last call's)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx.passes.split_module import split_module
@@ -164,3 +165,41 @@ def user_line(node: torch.fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     found = re.findall(r'File "([^"]+)", line (\d+)', trace)
     return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+
+
+_ALONG_DIM = frozenset({
+    "sum", "mean", "amax", "amin", "max", "min", "softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum",
+    "cumprod", "cummax", "cummin", "logsumexp", "prod", "norm", "var", "std", "sort", "argsort", "topk", "argmax",
+    "argmin", "flip", "roll", "any", "all", "nansum", "median", "mode", "kthvalue",
+})
+
+
+def _token_dims(value: Any) -> list[int]:
+    """Dimensions of a (fake) tensor whose size involves a dynamic symbol (the token count)."""
+    if not isinstance(value, torch.Tensor):
+        return []
+    return [i for i, d in enumerate(value.shape) if isinstance(d, torch.SymInt) and d.node.expr.free_symbols]
+
+
+def token_mixing_nodes(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes that may combine rows of the token dimension: their tensor inputs have it and their outputs do not
+    (a reduction, a contraction, ``x[-1]``), or they reduce, scan or sort along it. A heuristic, for messages."""
+    found = []
+    for node in graph.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        inputs = [n for n in node.all_input_nodes if _token_dims(n.meta.get("example_value"))]
+        if not inputs:
+            continue
+        outputs = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("example_value"))
+                   if isinstance(v, torch.Tensor)]
+        if outputs and not any(_token_dims(v) for v in outputs):
+            found.append(node)
+            continue
+        if _method_name(node) in _ALONG_DIM:
+            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+            source = node.args[0].meta.get("example_value") if isinstance(node.args[0], torch.fx.Node) else None
+            if isinstance(dim, int) and isinstance(source, torch.Tensor) and source.dim() > 0:
+                if dim % source.dim() in _token_dims(source):
+                    found.append(node)
+    return found

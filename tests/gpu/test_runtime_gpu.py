@@ -172,3 +172,12 @@ def test_a_splitting_op_counts_each_call_once_through_capture():
             torch.testing.assert_close(runner(x, counter), model(x, expected))
             assert float(counter) == float(expected) == calls
     assert runner.stats["cuda_graphs"] and len(runner.stats["captured_sizes"]) > 1
+
+
+def test_a_forward_that_mixes_token_rows_is_refused_on_cuda_before_capture():
+    from fixtures.state_models import TokenMixing
+
+    runner = piecewise.compile(TokenMixing("sum").cuda(), piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"the forward mixes tokens.*return h \+ h.sum\(0\)"):
+        runner(torch.randn(5, 8, device="cuda"))
+    assert runner.stats["graphs"] == 0
