@@ -135,6 +135,36 @@ def test_state_update_names_the_state_and_a_cache_write_is_no_blocker() -> None:
     assert doctor(CacheWriter(), torch.randn(3, 8), torch.arange(3), torch.zeros(2, 16, 8)).blockers == []
 
 
+@pytest.mark.parametrize("how, line", [("softmax", "return h.softmax(0)"), ("last", "return h[-1]")])
+def test_doctor_runs_the_first_call_and_reports_token_mixing(how: str, line: str) -> None:
+    from fixtures import state_models
+
+    report = doctor(state_models.TokenMixing(how), torch.randn(5, 8))
+    assert [b.kind for b in report.blockers] == ["token_mixing"], str(report)
+    blocker = report.blockers[0]
+    assert blocker.location.file == os.path.abspath(state_models.__file__) and blocker.location.code == line
+    assert blocker.location.function == "forward" and blocker.fix == FIXES["token_mixing"]
+    assert "changes by" in blocker.message and report.first_call_checked and not report.trial_capture
+    assert json.loads(report.to_json())["first_call_checked"] is True
+
+
+def test_doctor_reports_a_forward_that_branches_on_the_token_count() -> None:
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 3:  # decided by the token count
+                return self.linear(x)
+            return self.linear(x) * 2
+
+    report = doctor(Branchy(), torch.randn(5, 8))
+    assert [b.kind for b in report.blockers] == ["token_branch"], str(report)
+    assert report.blockers[0].location.code == "if x.shape[0] > 3:  # decided by the token count"
+    assert report.blockers[0].fix == FIXES["token_branch"]
+
+
 def test_compiler_disabled_message_names_the_function() -> None:
     report = doctor(bm.CompilerDisabledModel(), bm.example_input())
     assert "_eager_norm" in report.blockers[0].message

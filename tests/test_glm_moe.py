@@ -135,6 +135,18 @@ class HFStyleExperts(nn.Module):
         return out
 
 
+def test_the_runtime_runs_a_data_dependent_expert_loop_eagerly_with_a_warning_not_a_dynamo_error():
+    model = HFStyleExperts()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match=r"(?s)runs eagerly between captured pieces.*test_glm_moe.py:\d+ in forward"):
+            x = torch.randn(5, 16)
+            torch.testing.assert_close(runner(x), model(x))
+        for tokens in (3, 12):
+            x = torch.randn(tokens, 16)
+            torch.testing.assert_close(runner(x), model(x))
+
+
 def test_doctor_names_the_expert_loop_and_the_splitting_op_fix():
     report = piecewise.doctor(HFStyleExperts(), torch.randn(5, 16))
     assert not report.ok

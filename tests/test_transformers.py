@@ -64,6 +64,22 @@ def test_doctor_names_the_transformers_expert_loop():
     assert piecewise.doctor(TokenModel(enable(model)), torch.randint(0, 256, (9,)), torch.arange(9)).ok
 
 
+def test_the_runtime_names_the_blockers_of_transformers_eager_expert_loop_instead_of_a_dynamo_error():
+    """Unmodified (eager experts), the model does not trace even with graph breaks allowed: the first call
+    raises CaptureBlockedError with the blockers and their fix, not Dynamo's exception."""
+    import warnings
+
+    from piecewise.diagnostics import CaptureBlockedError
+
+    runner = piecewise.compile(TokenModel(glm_moe(experts_implementation="eager")), piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad(), warnings.catch_warnings(), pytest.raises(CaptureBlockedError) as failure:
+        warnings.simplefilter("ignore")
+        runner(torch.randint(0, 256, (9,)), torch.arange(9))
+    message = str(failure.value)
+    assert message.startswith("the forward cannot be traced, even with graph breaks")
+    assert "modeling_glm4_moe.py" in message and "piecewise.integrations.transformers.enable(model)" in message
+
+
 def test_glm_moe_router_matches_transformers():
     model = glm_moe()
     router = model.model.layers[1].mlp.gate

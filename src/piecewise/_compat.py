@@ -18,6 +18,9 @@ import torch._dynamo
 
 # Dynamo's "graph break under fullgraph" exception.
 Unsupported = torch._dynamo.exc.Unsupported
+# What fullgraph=True raises where a graph break would do: unsupported code, and a guard on a data-dependent
+# value (``if t.numel() > 0`` after ``torch.where``) that Dynamo reports as a UserError.
+UNTRACEABLE = (Unsupported, torch._dynamo.exc.UserError)
 # Dynamo wraps anything a backend raises in this; ``inner_exception`` holds the original.
 BackendCompilerFailed = torch._dynamo.exc.BackendCompilerFailed
 

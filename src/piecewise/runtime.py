@@ -26,6 +26,43 @@ from .trace import ForwardTracer
 logger = logging.getLogger(__name__)
 
 
+class ForwardRefused(ValueError):
+    """A forward piecewise cannot run correctly with padding and repeated first-call runs. ``kind`` is the
+    doctor's blocker kind (``token_mixing``, ``token_branch``, ``state_update``, ``token_argument_write``);
+    ``chain`` the model frames involved, as ``(file, line, function)``, forward first."""
+
+    def __init__(self, message: str, kind: str, chain: list[tuple[str, int, str]] | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.chain = list(chain or [])
+
+
+class _RandomState:
+    """Python's and torch's generator states (CPU and every initialised CUDA device), to draw the same numbers
+    again."""
+
+    def __init__(self):
+        import random
+
+        self.python = random.getstate()
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        import random
+
+        random.setstate(self.python)
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+def _node_chain(node: torch.fx.Node) -> list[tuple[str, int, str]]:
+    from .diagnostics._dynamo import node_stack
+
+    return [(frame.filename, int(frame.lineno or 0), frame.name) for frame in node_stack(node)]
+
+
 def _progress():
     """A rich progress bar on a terminal, nothing otherwise."""
     from rich.console import Console
@@ -323,7 +360,7 @@ class PiecewiseModel:
         self.stats["cuda_graphs"] = use_graphs
         try:
             self._check_padding(arguments)
-        except ValueError:
+        except ForwardRefused:
             self._prepared = False  # the next call checks again (and fails the same way)
             raise
         if not use_graphs:
@@ -333,8 +370,8 @@ class PiecewiseModel:
         self._capture(arguments)
 
     def _check_padding(self, arguments: dict[str, Any]) -> None:
-        """Run the first call's leading tokens padded by one row twice, the padding rows zero and then copies
-        of real rows: a forward that reads only its own row in the pieces (attention and other cross-token code
+        """Run the first call's leading tokens padded by one row twice (after a run that traces), the padding
+        rows zero and then copies of real rows: a forward that reads only its own row in the pieces (attention and other cross-token code
         in splitting ops) gives the same real rows both times. One that mixes rows (a sum or softmax over the
         tokens, ``x[-1]``) would return padding-dependent numbers on every padded call: refused here."""
         sizes = [size for size in self._sizes if size >= 2]
@@ -346,7 +383,9 @@ class PiecewiseModel:
         state = self.state
         results = []
         direct_calls = self._tracer.direct_calls  # the check's calls are not the user's
-        for fill in ("zeros", "copies"):
+        rng = _RandomState()  # both compared runs draw the same random numbers: only the padding differs
+        for fill in ("trace", "zeros", "copies"):  # tracing may draw random numbers itself: a run before
+            rng.restore()
             staged = self._stage({**arguments, **{n: arguments[n][:rows] for n in given}}, rows, size)
             if fill == "copies":
                 for name in given:
@@ -361,41 +400,45 @@ class PiecewiseModel:
                 output = self._call_compiled(staged)
             results.append(self._finish(output, rows, size, clone=True))
         self._tracer.direct_calls = self.stats["direct_calls"] = direct_calls
-        for index, (zeros, copies) in enumerate(zip(*(torch.utils._pytree.tree_leaves(r) for r in results))):
+        for index, (zeros, copies) in enumerate(zip(*(torch.utils._pytree.tree_leaves(r) for r in results[1:]))):
             if not (isinstance(zeros, torch.Tensor) and zeros.is_floating_point()):
                 continue
             difference = float((zeros.double() - copies.double()).norm() / zeros.double().norm().clamp_min(1e-30))
             tolerance = 1e-4 if zeros.dtype in (torch.float32, torch.float64) else 1e-2
             if not difference <= tolerance:  # NaN included
-                raise ValueError(
+                hint, chain = self._mixing_hint()
+                raise ForwardRefused(
                     f"piecewise: the forward mixes tokens: with {rows} real token(s) padded to {size}, output "
                     f"{index} (shape {tuple(zeros.shape)}) changes by {difference:.1e} (relative) when the padding "
                     f"rows hold other values. Every call is padded to a capture size, so its results would depend "
                     f"on the padding. Code outside splitting ops reads rows other than its own: a sum, mean, "
-                    f"softmax, cumsum or sort over the token dimension, or indexing such as x[-1].{self._mixing_hint()} "
+                    f"softmax, cumsum or sort over the token dimension, or indexing such as x[-1].{hint} "
                     f"Make that code a splitting op (piecewise.opaque_op(..., split=True)), which sees only the "
-                    f"real rows, or move it out of forward."
+                    f"real rows, or move it out of forward.",
+                    "token_mixing", chain,
                 )
 
-    def _mixing_hint(self) -> str:
-        """Where the traced pieces may combine token rows (see ``split.token_mixing_nodes``), as ``file:line``."""
+    def _mixing_hint(self) -> tuple[str, list[tuple[str, int, str]]]:
+        """Where the traced pieces may combine token rows (see ``split.token_mixing_nodes``): a sentence naming
+        up to five ``file:line`` places, and the first one's call chain."""
         import linecache
 
-        places = []
+        places, chain = [], []
         for runner in self.state.graph_runners:
             for piece in runner.pieces:
                 for node in token_mixing_nodes(piece.graph_module):
                     where = user_line(node)
                     if where and where not in places:
                         places.append(where)
+                        chain = chain or _node_chain(node)
         if not places:
-            return ""
+            return "", []
         shown = []
         for where in places[:5]:
             path, _, line = where.rpartition(":")
             code = linecache.getline(path, int(line)).strip()
             shown.append(f"{where}" + (f" (`{code}`)" if code else ""))
-        return " Candidates: " + "; ".join(shown) + "."
+        return " Candidates: " + "; ".join(shown) + ".", chain
 
     def capture(self, *args, **kwargs) -> None:
         """Warm up, trace and capture every size now (with these example inputs, or the last call's)."""
@@ -486,22 +529,26 @@ class PiecewiseModel:
             if size == 1 and re.fullmatch(r"(Ne|Eq)\(\w+,1\)", condition.replace(" ", "")):
                 hint = (" A check against one token usually comes from broadcasting, e.g. in `x[index] = values`: "
                         "`x.index_copy_(0, index, values)` or `x.index_put_((index,), values)` trace without it.")
-            raise ValueError(
+            located = re.search(r"# (\S+):(\d+) in (\w+)", where)
+            raise ForwardRefused(
                 f"piecewise: the forward depends on the token count: it evaluates `{condition}` at {where}, "
                 f"which is false for capture size {size}. One trace serves every token count, so the forward "
                 f"must not branch on it: move the branch out of forward, or make that code a splitting op "
-                f"(piecewise.opaque_op(..., split=True)).{hint}"
+                f"(piecewise.opaque_op(..., split=True)).{hint}",
+                "token_branch",
+                [(located.group(1), int(located.group(2)), located.group(3))] if located else [],
             )
         token_inputs = [node for node in graph.graph.nodes
                         if node.op == "placeholder" and is_token_tensor(node.meta.get("example_value"))]
         for writer, placeholder in writes_to_inputs(graph, token_inputs):
             what = op_name(writer.target) or f".{writer.target}()"
-            raise ValueError(
+            raise ForwardRefused(
                 f"piecewise: {what} writes in place into {_compat.argument_source(placeholder)}, which piecewise "
                 f"takes for a token argument (its dimension 0 has the call's token count). Token arguments are "
                 f"copied into padded buffers on every call, so the write would be lost. If it is state kept "
                 f"across calls (a cache whose first dimension happens to equal the token count), compile with "
-                f"dynamic={{...}} naming only the real token arguments; token arguments: {list(self._dynamic)}."
+                f"dynamic={{...}} naming only the real token arguments; token arguments: {list(self._dynamic)}.",
+                "token_argument_write", _node_chain(writer),
             )
         splitting = frozenset(self.config.splitting_ops) if self.config.splitting_ops is not None else splitting_op_names()
         return GraphRunner(graph, self.state, self._compiler, splitting, self._static_writes(graph, token_inputs, splitting))
@@ -520,13 +567,14 @@ class PiecewiseModel:
                 continue
             what, target, where = describe_write(writer), _compat.argument_source(placeholder), user_line(writer)
             if accumulates(writer):
-                raise ValueError(
+                raise ForwardRefused(
                     f"piecewise: {what} at {where or 'an unknown line'} updates {target} in place from its own "
                     f"value. The first call runs the model several times on its inputs (warm-up, then one run per "
                     f"capture size), so the update would be applied more than once. Keep such state out of the "
                     f"traced forward, or move the update into a splitting op "
                     f"(piecewise.opaque_op(..., split=True)) that skips it while piecewise.context().rehearsal is "
-                    f"True."
+                    f"True.",
+                    "state_update", _node_chain(writer),
                 )
             eager[writer] = f"{what} into {target}" + (f" ({where})" if where else "")
         if eager:
@@ -593,12 +641,12 @@ def compile(
 
 
 def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
-    """Capture one size (the inputs' token count) on CUDA; return ``capture_illegal`` blockers, if any.
+    """Run the runtime's first call on these inputs (capture sizes 1, 2 and the inputs' token count; CUDA
+    graphs where the model is on CUDA) and return what it refuses as doctor blockers: ``capture_illegal`` (CUDA
+    only), ``token_mixing``, ``token_branch``, ``state_update``, ``token_argument_write``.
 
-    Used by ``piecewise.doctor``; only meaningful for a model on CUDA.
+    Used by ``piecewise.doctor``. The model runs several times on the inputs, as on a first call.
     """
-    import re
-
     from .cudagraph import CaptureFailed
     from .diagnostics.blockers import Blocker, Frame
     from .diagnostics.classify import FIXES
@@ -606,12 +654,14 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
     runner = PiecewiseModel(model, CaptureConfig(max_tokens=512), None)
     arguments = runner._bind(tuple(args), dict(kwargs))
     tokens = runner._token_count(arguments)
-    runner.config = CaptureConfig(capture_sizes=[tokens], max_tokens=tokens)
+    runner.config = CaptureConfig(capture_sizes=sorted({1, 2, tokens}), max_tokens=max(tokens, 2))
     runner._sizes = runner.config.sizes
-    runner.state.max_tokens = tokens
+    runner.state.max_tokens = runner.config.max_tokens
     runner.stats["capture_sizes"] = list(runner._sizes)
     try:
-        runner(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # graph breaks: the doctor reports them from its own trace
+            runner(*args, **kwargs)
     except CaptureFailed as exc:
         trace = (exc.node.meta.get("stack_trace") or "") if exc.node is not None else ""
         chain = [
@@ -619,4 +669,13 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
             for path, line, function in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
         ]
         return [Blocker(kind="capture_illegal", message=str(exc), chain=chain, fix=FIXES["capture_illegal"])]
+    except ForwardRefused as exc:
+        import linecache
+
+        chain = [Frame(path, line, function, linecache.getline(path, line).strip() or None)
+                 for path, line, function in exc.chain]
+        message = str(exc).removeprefix("piecewise: ")
+        return [Blocker(kind=exc.kind, message=message, chain=chain, fix=FIXES[exc.kind])]
+    finally:
+        runner.release_graphs()
     return []

@@ -111,7 +111,7 @@ class ForwardTracer:
                     return self.compiled(*args, **kwargs)
                 try:
                     output = self.compiled(*args, **kwargs)
-                except _compat.Unsupported as exc:
+                except _compat.UNTRACEABLE as exc:
                     output = self._trace_with_breaks(exc, args, kwargs)
         except _compat.BackendCompilerFailed as exc:
             inner = getattr(exc, "inner_exception", None)
@@ -145,4 +145,14 @@ class ForwardTracer:
             _compat.fresh_method(self.model.forward), backend=self.backend, fullgraph=False, dynamic=None,
             options=_compat.compile_options(),
         )
-        return self.compiled(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except (ValueError, _compat.BackendCompilerFailed):
+            raise  # piecewise's own refusals (the caller unwraps them)
+        except Exception as failure:  # noqa: BLE001 - Dynamo failing inside the model: the blockers instead
+            first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
+            raise CaptureBlockedError(blockers, headline=(
+                f"the forward cannot be traced, even with graph breaks (Dynamo raised {type(failure).__name__}"
+                f"{': ' + first if first else ''}). Fix the blocker(s) below, each with its call chain and fix "
+                f"(piecewise.doctor(model, *args) checks a model the same way)."
+            )) from None

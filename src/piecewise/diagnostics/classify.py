@@ -30,6 +30,9 @@ KINDS = (
     "unsupported_builtin",
     "capture_illegal",
     "state_update",
+    "token_mixing",
+    "token_branch",
+    "token_argument_write",
 )
 
 FIXES: dict[str, str] = {
@@ -62,6 +65,22 @@ FIXES: dict[str, str] = {
         "function made a splitting op, piecewise.opaque_op(name, mutates_args=..., split=True), that skips it "
         "while piecewise.context().rehearsal is True, or keep the state outside forward. (Writes that only "
         "overwrite, such as KV-cache writes at given positions, are fine.)"
+    ),
+    "token_mixing": (
+        "Every call is padded to a capture size, so code in the captured pieces must compute each token's row "
+        "from that row alone. Put what combines tokens (a sum, mean, softmax or sort over the token dimension, "
+        "pooling, reading the last row with x[-1]) in a function made a splitting op, "
+        "piecewise.opaque_op(name, split=True), which runs eagerly on the real rows only, or compute it after "
+        "forward on the outputs."
+    ),
+    "token_branch": (
+        "One trace serves every token count: compute the branch's condition outside forward and pass it in, "
+        "or make the code that depends on the token count a splitting op, piecewise.opaque_op(name, split=True)."
+    ),
+    "token_argument_write": (
+        "The written tensor was taken for a token argument (its first dimension equals the call's token count), "
+        "which piecewise copies into a padded buffer each call: compile with dynamic={...} naming only the real "
+        "token arguments, so that state stays static and is written in place."
     ),
     "python_rng": (
         "Python/NumPy randomness is drawn on the host, outside torch's generators and outside the graph. Use "

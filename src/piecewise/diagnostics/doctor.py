@@ -19,7 +19,7 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.text import Text
 
-from piecewise.diagnostics.blockers import Blocker, find_blockers
+from piecewise.diagnostics.blockers import Blocker, _source_file, blockers_from_exception, find_blockers
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ class DoctorReport:
     torch_version: str = field(default_factory=lambda: torch.__version__)
     trial_capture: bool = False
     """Whether a trial CUDA-graph capture ran (CUDA model and a runtime that provides it)."""
+    first_call_checked: bool = False
+    """Whether the runtime's first call ran on the inputs (padding check, token-count guards, state writes)."""
 
     @property
     def ok(self) -> bool:
@@ -43,18 +45,21 @@ class DoctorReport:
             "ok": self.ok,
             "torch_version": self.torch_version,
             "trial_capture": self.trial_capture,
+            "first_call_checked": self.first_call_checked,
             "blockers": [blocker.to_dict() for blocker in self.blockers],
         }
 
     def to_json(self) -> str:
-        """JSON with stable keys: ok, torch_version, trial_capture, blockers[{kind, message, chain[{file,
+        """JSON with stable keys: ok, torch_version, trial_capture, first_call_checked, blockers[{kind, message, chain[{file,
         line, function, code}], fix}]."""
         return json.dumps(self.to_dict(), indent=2)
 
     def render(self, console: Console) -> None:
         """Print the report to a rich console: one panel per blocker, or a capture-safe line."""
         if self.ok:
-            checked = "Dynamo trace and trial CUDA-graph capture" if self.trial_capture else "Dynamo trace"
+            checked = ["Dynamo trace"] + (["piecewise first call"] if self.first_call_checked else []) + (
+                ["trial CUDA-graph capture"] if self.trial_capture else [])
+            checked = ", ".join(checked[:-1]) + " and " + checked[-1] if len(checked) > 1 else checked[0]
             console.print(Text(f"capture-safe: no blockers found ({checked}, torch {self.torch_version})",
                                style="bold green"))
             return
@@ -107,14 +112,19 @@ def _trial_capture(model: Any, args: tuple, kwargs: dict) -> list[Blocker] | Non
     except (ImportError, AttributeError):
         logger.debug("piecewise.runtime.trial_capture is not available: skipping the trial capture")
         return None
-    return list(trial_capture(model, args, kwargs))
+    try:
+        return list(trial_capture(model, args, kwargs))
+    except Exception as exc:  # noqa: BLE001 - e.g. a Dynamo error the trace above reports too: as a blocker
+        logger.debug("the trial first call raised %s", type(exc).__name__, exc_info=True)
+        return blockers_from_exception(exc, root_file=_source_file(model))
 
 
 def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
     """Check whether ``model(*args, **kwargs)`` can be captured; list every blocker with its fix.
 
     Runs the model once eagerly, then traces its forward with Dynamo (the model runs again, partly
-    eagerly, while being traced), then tries a CUDA-graph capture when the model is on CUDA. Dynamo's
+    eagerly, while being traced), then runs piecewise's first call on the inputs (padding check, token-count
+    guards, writes into state; with a CUDA-graph capture when the model is on CUDA). Dynamo's
     compiled-frame caches are reset along the way. Raises RuntimeError if the eager run itself fails.
     """
     forward = _forward_of(model)
@@ -127,8 +137,9 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
                 f"a working model: fix the eager error first, or check the example inputs"
             ) from exc
         blockers = find_blockers(forward, args, kwargs)
-        trial = None
-        if _on_cuda(model):
-            trial = _trial_capture(model, args, kwargs)
-            blockers.extend(trial or [])
-    return DoctorReport(blockers=blockers, trial_capture=trial is not None)
+        # the first call's checks need a traceable forward: after the trace's blockers are fixed
+        trial = _trial_capture(model, args, kwargs) if isinstance(model, torch.nn.Module) and not blockers else None
+        seen = {str(b.location) for b in blockers}  # one report per line: the trace's, which comes first
+        blockers.extend(b for b in trial or [] if str(b.location) not in seen)
+    return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
+                        first_call_checked=trial is not None)
