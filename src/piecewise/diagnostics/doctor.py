@@ -137,8 +137,7 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
                 f"a working model: fix the eager error first, or check the example inputs"
             ) from exc
         blockers = find_blockers(forward, args, kwargs)
-        # the first call's checks need a traceable forward: after the trace's blockers are fixed
-        trial = _trial_capture(model, args, kwargs) if isinstance(model, torch.nn.Module) and not blockers else None
+        trial = _trial_capture(model, args, kwargs) if isinstance(model, torch.nn.Module) else None
         seen = {str(b.location) for b in blockers}  # one report per line: the trace's, which comes first
         blockers.extend(b for b in trial or [] if str(b.location) not in seen)
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
