@@ -102,13 +102,16 @@ def test_capture_illegal_op_names_the_line():
 
 
 def test_doctor_trial_capture_finds_capture_illegal_ops():
+    """A blocking copy the trace's scan does not know (`.to("cpu")`; `.cpu()` it reports as host_sync at the
+    same line, which then is the one report of that line) fails the trial capture."""
+
     class Syncs(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.linear = torch.nn.Linear(16, 16)
 
         def forward(self, x):
-            return self.linear(x).cpu().cuda() + 1  # capture-illegal line
+            return self.linear(x).to("cpu").to(x.device) + 1  # capture-illegal line
 
     report = piecewise.doctor(Syncs().cuda(), torch.randn(4, 16, device="cuda"))
     kinds = [b.kind for b in report.blockers]
