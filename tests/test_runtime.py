@@ -537,7 +537,7 @@ def test_a_one_token_check_from_indexing_names_the_line_with_its_full_path_and_t
 
 
 @pytest.mark.parametrize("how, line", [("sum", "return h + h.sum(0)"), ("softmax", "return h.softmax(0)"),
-                                       ("last", "return h[-1]")])
+                                       ("argmax", "return h.argmax(0)"), ("last", "return h[-1]")])
 def test_a_forward_that_mixes_token_rows_is_refused_with_the_line(how, line):
     """Padding rows would change the real rows' results on every padded call: the first call runs its leading
     tokens padded twice (zero padding, then copies of real rows) and refuses a forward whose results differ,

@@ -401,10 +401,13 @@ class PiecewiseModel:
             results.append(self._finish(output, rows, size, clone=True))
         self._tracer.direct_calls = self.stats["direct_calls"] = direct_calls
         for index, (zeros, copies) in enumerate(zip(*(torch.utils._pytree.tree_leaves(r) for r in results[1:]))):
-            if not (isinstance(zeros, torch.Tensor) and zeros.is_floating_point()):
+            if not isinstance(zeros, torch.Tensor) or zeros.is_complex():
                 continue
-            difference = float((zeros.double() - copies.double()).norm() / zeros.double().norm().clamp_min(1e-30))
-            tolerance = 1e-4 if zeros.dtype in (torch.float32, torch.float64) else 1e-2
+            if zeros.is_floating_point():
+                difference = float((zeros.double() - copies.double()).norm() / zeros.double().norm().clamp_min(1e-30))
+                tolerance = 1e-4 if zeros.dtype in (torch.float32, torch.float64) else 1e-2
+            else:  # token ids, counts, masks: equal or not
+                difference, tolerance = float((zeros != copies).double().mean()) if zeros.numel() else 0.0, 0.0
             if not difference <= tolerance:  # NaN included
                 hint, chain = self._mixing_hint()
                 raise ForwardRefused(
