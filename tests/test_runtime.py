@@ -522,14 +522,27 @@ def test_a_splitting_op_counts_each_call_once_by_skipping_rehearsals():
             assert float(counter) == float(expected) == calls
 
 
-def test_a_one_token_check_from_indexing_names_the_line_with_its_full_path_and_the_alternative():
+def test_a_trace_that_assumes_more_than_one_token_pads_one_token_calls_to_two():
+    """`cache[positions] = values` traces with a broadcasting check that holds for every size but 1: one-token
+    calls run padded to the next size. With 1 the only size, it is refused, naming the line with its full path
+    and the alternative."""
     import os
 
     from fixtures import state_models
 
-    runner = piecewise.compile(state_models.SetItemWriter(), piecewise.CaptureConfig(max_tokens=8))
+    model = state_models.SetItemWriter()
+    cache, expected = torch.zeros(16, 8), torch.zeros(16, 8)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        for tokens, start in ((3, 0), (1, 3), (1, 4), (6, 5)):
+            x, positions = torch.randn(tokens, 8), torch.arange(start, start + tokens)
+            torch.testing.assert_close(runner(x, positions, cache), model(x, positions, expected))
+            torch.testing.assert_close(cache, expected)
+    assert runner.stats["capture_sizes"][0] == 2 and runner.stats["eager_writes"] == 1
+
+    runner = piecewise.compile(state_models.SetItemWriter(), piecewise.CaptureConfig(capture_sizes=[1], max_tokens=1))
     with torch.no_grad(), pytest.raises(ValueError) as failure:
-        runner(torch.randn(3, 8), torch.arange(3), torch.zeros(16, 8))
+        runner(torch.randn(3, 8), torch.arange(3), torch.zeros(16, 8))  # traced above max_tokens
     message = str(failure.value)
     assert "depends on the token count" in message and "cache[positions] = self.proj(x)" in message
     assert f"{os.path.abspath(state_models.__file__)}:" in message  # torch's location cuts the path short

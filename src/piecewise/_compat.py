@@ -204,7 +204,8 @@ def _full_paths(where: str) -> str:
 
 
 def token_guard_failures(example_inputs: list[Any], sizes: list[int]) -> list[tuple[str, str, int]]:
-    """Shape conditions recorded while tracing that some capture size violates: (condition, where, size)."""
+    """Shape conditions recorded while tracing that some capture size violates: (condition, where, size), one
+    per condition and size that violates it."""
     fake_mode = fake_mode_of(example_inputs)
     shape_env = getattr(fake_mode, "shape_env", None)
     if shape_env is None:
@@ -224,7 +225,6 @@ def token_guard_failures(example_inputs: list[Any], sizes: list[int]) -> list[tu
                 sloc = getattr(guard, "sloc", None)
                 where = getattr(sloc, "maybe_user_loc", None) or str(sloc or "unknown location")
                 failures.append((str(expr), _full_paths(where), size))
-                break
     return failures
 
 

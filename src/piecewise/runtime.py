@@ -526,6 +526,16 @@ class PiecewiseModel:
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
         failures = _compat.token_guard_failures(example_inputs, self._sizes)
+        if failures and {size for _, _, size in failures} == {1} and len(self._sizes) > 1 and self.stats["traces"] == 0 \
+                and not self.state.capture_done:
+            # The trace assumes more than one token (a broadcasting check in indexing or copy_, DeepSeek-V3's
+            # key assembly): one-token calls are padded to the next size instead, where the graph is valid.
+            condition, where, _ = failures[0]
+            logger.info("piecewise: the trace assumes more than one token (`%s` at %s): calls of one token are "
+                        "padded to %d", condition, where, self._sizes[1])
+            self._sizes = [size for size in self._sizes if size != 1]
+            self.stats["capture_sizes"] = list(self._sizes)
+            failures = []
         if failures:
             condition, where, size = failures[0]
             hint = ""

@@ -103,16 +103,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     window = int(kwargs.get("sliding_window") or 0)
     softcap = float(kwargs.get("softcap") or 0.0)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # token-major [T, H, D]
+    value_dim = v.shape[-1]
+    if q.shape[-1] != value_dim:  # MLA (DeepSeek-V3): zero columns up to one width leave q·k unchanged
+        width = max(q.shape[-1], value_dim)
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     kv_cache = kwargs.get("piecewise_kv_cache")
     if kv_cache is None:
-        return causal_attention(q, k, v, scale, window, softcap).unsqueeze(0), None
-    positions = kwargs["position_ids"][0]
-    slots = kwargs.get("piecewise_slots")
-    if slots is not None:
-        out = slot_attention(q, k, v, positions, slots, kv_cache, module.layer_idx, scale, window, softcap)
-        return out.unsqueeze(0), None
-    out = cached_attention(q, k, v, positions, kv_cache, module.layer_idx, scale, window, softcap)
-    return out.view(q.shape).unsqueeze(0), None
+        out = causal_attention(q, k, v, scale, window, softcap)
+    elif kwargs.get("piecewise_slots") is not None:
+        out = slot_attention(q, k, v, kwargs["position_ids"][0], kwargs["piecewise_slots"], kv_cache,
+                             module.layer_idx, scale, window, softcap)
+    else:
+        out = cached_attention(q, k, v, kwargs["position_ids"][0], kv_cache, module.layer_idx, scale, window,
+                               softcap).view(q.shape)
+    return out[..., :value_dim].unsqueeze(0), None
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -275,7 +279,11 @@ class TokenModel(nn.Module):
         sequence, or [layers, 2, sequences, max_seq_len, kv heads, head_dim] for ``slots``."""
         c = self.model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_heads = c.num_key_value_heads // getattr(self.model, "piecewise_world_size", 1)  # this rank's
+        kv_heads = c.num_key_value_heads
+        if getattr(c, "kv_lora_rank", None):  # MLA: per-head keys (nope + rope) and values, one width for both
+            head_dim = max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+            kv_heads = c.num_attention_heads
+        kv_heads //= getattr(self.model, "piecewise_world_size", 1)  # this rank's
         weight = next(self.model.parameters())
         shape = (max_seq_len, kv_heads, head_dim) if sequences is None else (sequences, max_seq_len, kv_heads, head_dim)
         return torch.zeros(c.num_hidden_layers, 2, *shape, device=device or weight.device, dtype=dtype or weight.dtype)
