@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "Qwen2Moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                         shared_expert_intermediate_size=64)),
     "Qwen3Moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "Qwen2": ("Qwen2Config", {}),
     "Qwen3": ("Qwen3Config", {}),
     "Phi3": ("Phi3Config", {}),
     "Gemma3Text": ("Gemma3TextConfig", dict(sliding_window=4)),
