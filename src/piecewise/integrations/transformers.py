@@ -175,8 +175,9 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     ``experts=True``: piecewise's experts op (bf16: the per-expert loop as a splitting op; NVFP4 after
     ``quantize``: the grouped op captured with the pieces). ``False``: the model's own implementation stays
     inside the pieces. ``None`` (default): transformers' ``grouped_mm`` implementation is kept (static shapes,
-    device-side offsets: traced and captured with the rest); any other (its eager loop branches on which
-    experts got tokens) is replaced by piecewise's op."""
+    device-side offsets: traced and captured with the rest) where its weights are bf16 or on the CPU; any other
+    is replaced by piecewise's op (its eager loop branches on which experts got tokens, and under tracing
+    transformers runs CUDA experts of other dtypes through a fallback that copies the offsets to the host)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -185,7 +186,10 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     AttentionMaskInterface.register(NAME, _no_mask)
     model.config._attn_implementation = NAME
     if experts is None:
-        experts = getattr(model.config, "_experts_implementation", None) != "grouped_mm"
+        stacked = [m.gate_up_proj for m in model.modules()
+                   if _is_experts(m) and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)]
+        experts = getattr(model.config, "_experts_implementation", None) != "grouped_mm" or any(
+            w.is_cuda and w.dtype != torch.bfloat16 for w in stacked)
     if experts:
         _use_piecewise_experts(model)
     return model
