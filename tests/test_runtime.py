@@ -577,3 +577,30 @@ def test_token_mixing_inside_a_splitting_op_passes_the_check_and_equals_eager():
         for tokens in (5, 3, 1, 8, 11):
             x = torch.randn(tokens, 8)
             torch.testing.assert_close(runner(x), model(x))
+
+
+def test_sampling_with_torch_rng_in_forward_passes_the_padding_check_and_matches_eager():
+    """Per-token sampling in forward (torch.rand, inverse CDF) does not trip the padding check (both of its
+    runs draw the same numbers), and with the same seed a padded call samples what eager samples (CPU: the
+    padded draw starts with the real rows' numbers)."""
+
+    class Sampler(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 32)
+
+        def forward(self, x):
+            probs = self.linear(x).softmax(-1)
+            u = torch.rand(probs.shape[0], 1, device=x.device)
+            return torch.searchsorted(probs.cumsum(-1), u).clamp_max(31)
+
+    model = Sampler()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        runner(torch.randn(5, 8))
+        for seed, tokens in enumerate((3, 5, 1, 7)):
+            x = torch.randn(tokens, 8)
+            torch.manual_seed(seed)
+            out = runner(x)
+            torch.manual_seed(seed)
+            torch.testing.assert_close(out, model(x))
