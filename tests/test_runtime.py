@@ -1,5 +1,6 @@
 """The piecewise pipeline on CPU: same trace, split, padding and buffers as on CUDA, pieces run without graphs."""
 
+import re
 import warnings
 
 import pytest
@@ -604,3 +605,39 @@ def test_sampling_with_torch_rng_in_forward_passes_the_padding_check_and_matches
             out = runner(x)
             torch.manual_seed(seed)
             torch.testing.assert_close(out, model(x))
+
+
+def test_replacing_a_parameter_buffer_or_submodule_after_the_first_call_is_refused():
+    """The graphs read parameters and buffers by address: a new object assigned after the first call would be
+    ignored silently. In-place updates (copy_, load_state_dict) keep working; a forward assigning its own
+    attributes is not flagged."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(4, 4)
+            self.second = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            return self.second(self.first(x).relu()) * self.scale
+
+    x = torch.randn(3, 4)
+    replacements = {
+        "parameter `first.weight`": lambda m: setattr(m.first, "weight", torch.nn.Parameter(torch.randn(4, 4))),
+        "buffer `scale`": lambda m: setattr(m, "scale", torch.full((4,), 2.0)),
+        "submodule `second`": lambda m: setattr(m, "second", torch.nn.Linear(4, 4)),
+        # assign=True assigns every entry anew; the first one assigned is reported
+        "": lambda m: m.load_state_dict({**m.state_dict(), "first.bias": torch.randn(4)}, assign=True),
+    }
+    for what, replace in replacements.items():
+        model = Net()
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+        with torch.no_grad():
+            runner(x)
+            model.first.weight.copy_(torch.randn(4, 4))  # in place: seen by the graphs
+            model.load_state_dict({**model.state_dict(), "scale": torch.full((4,), 3.0)})
+            torch.testing.assert_close(runner(x), model(x))
+            replace(model)
+            with pytest.raises(ValueError, match=f"{re.escape(what)}`? was replaced after the first call.*copy_"):
+                runner(x)

@@ -10,6 +10,7 @@ import logging
 import re
 import time
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -55,6 +56,36 @@ class _RandomState:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
+
+
+_calls_in_progress: list = []  # runners inside __call__ (a forward may assign its own attributes)
+_watched: "weakref.WeakSet[PiecewiseModel]" = weakref.WeakSet()
+
+
+def _on_registration(kind: str):
+    def hook(module: torch.nn.Module, name: str, value: Any) -> None:
+        if _calls_in_progress or not _watched:
+            return None
+        for runner in list(_watched):
+            if runner._replaced is None and id(module) in runner._module_ids:
+                prefix = next((n for n, m in runner.model.named_modules() if m is module), "")
+                runner._replaced = f"{kind} `{prefix + '.' if prefix else ''}{name}`"
+        return None
+
+    return hook
+
+
+def _watch(runner: "PiecewiseModel") -> None:
+    """Flag ``runner`` when one of its model's parameters, buffers or submodules is assigned a new object
+    outside a call (torch's global registration hooks, installed once)."""
+    if not _watched and not getattr(_watch, "installed", False):
+        modules = torch.nn.modules.module
+        modules.register_module_parameter_registration_hook(_on_registration("parameter"))
+        modules.register_module_buffer_registration_hook(_on_registration("buffer"))
+        modules.register_module_module_registration_hook(_on_registration("submodule"))
+        _watch.installed = True
+    runner._module_ids = {id(m) for m in runner.model.modules()}  # alive as long as the runner's model
+    _watched.add(runner)
 
 
 def _node_chain(node: torch.fx.Node) -> list[tuple[str, int, str]]:
@@ -109,6 +140,7 @@ class PiecewiseModel:
         self._call_arguments: dict[str, Any] = {}
         self._traced_in_call = False
         self._last_arguments: dict[str, Any] | None = None
+        self._replaced: str | None = None  # "parameter `x.weight`" once one was replaced after the first call
         self.stats: dict[str, Any] = {
             "pieces": 0,
             "splitting_op_calls": 0,
@@ -245,18 +277,29 @@ class PiecewiseModel:
     # --- the call -------------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs) -> Any:
+        if self._replaced is not None:
+            raise ValueError(
+                f"piecewise: {self._replaced} was replaced after the first call (a new tensor or module assigned "
+                f"to the model). The trace and the captured graphs read parameters and buffers where they were, "
+                f"so they would go on computing with the old ones. Write new values in place (param.copy_(new), "
+                f"model.load_state_dict(state) without assign=True), or compile the model again."
+            )
         arguments = self._bind(args, kwargs)
         tokens = self._token_count(arguments)
         if self._prepared:
             self._adopt_late(arguments, tokens)
         self._check_static(arguments)
         self._last_arguments = arguments
-        with torch.no_grad():
-            if not self._prepared:
-                self._prepare(arguments)
-            if tokens > self.config.max_tokens:
-                return self._run_direct(arguments)
-            return self._run_padded(arguments, tokens)
+        _calls_in_progress.append(self)
+        try:
+            with torch.no_grad():
+                if not self._prepared:
+                    self._prepare(arguments)
+                if tokens > self.config.max_tokens:
+                    return self._run_direct(arguments)
+                return self._run_padded(arguments, tokens)
+        finally:
+            _calls_in_progress.pop()
 
     def _given_tokens(self, arguments: dict[str, Any]) -> list[str]:
         """The token arguments this call passes (late ones may be left out)."""
@@ -342,6 +385,7 @@ class PiecewiseModel:
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
         self._prepared = True
+        _watch(self)
         model_tensors = [*self.model.parameters(), *self.model.buffers()]
         for name, value in arguments.items():
             if isinstance(value, torch.Tensor) and name not in self._dynamic:
