@@ -629,6 +629,7 @@ def test_replacing_a_parameter_buffer_or_submodule_after_the_first_call_is_refus
         "submodule `second`": lambda m: setattr(m, "second", torch.nn.Linear(4, 4)),
         # assign=True assigns every entry anew; the first one assigned is reported
         "": lambda m: m.load_state_dict({**m.state_dict(), "first.bias": torch.randn(4)}, assign=True),
+        "the model's parameters moved (model.to()": lambda m: m.to(torch.float64),
     }
     for what, replace in replacements.items():
         model = Net()
@@ -639,5 +640,5 @@ def test_replacing_a_parameter_buffer_or_submodule_after_the_first_call_is_refus
             model.load_state_dict({**model.state_dict(), "scale": torch.full((4,), 3.0)})
             torch.testing.assert_close(runner(x), model(x))
             replace(model)
-            with pytest.raises(ValueError, match=f"{re.escape(what)}`? was replaced after the first call.*copy_"):
+            with pytest.raises(ValueError, match=f"{re.escape(what)}.* after the first call.*copy_"):
                 runner(x)

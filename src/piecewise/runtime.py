@@ -69,7 +69,7 @@ def _on_registration(kind: str):
         for runner in list(_watched):
             if runner._replaced is None and id(module) in runner._module_ids:
                 prefix = next((n for n, m in runner.model.named_modules() if m is module), "")
-                runner._replaced = f"{kind} `{prefix + '.' if prefix else ''}{name}`"
+                runner._replaced = f"{kind} `{prefix + '.' if prefix else ''}{name}` was replaced by a new object"
         return None
 
     return hook
@@ -141,6 +141,7 @@ class PiecewiseModel:
         self._traced_in_call = False
         self._last_arguments: dict[str, Any] | None = None
         self._replaced: str | None = None  # "parameter `x.weight`" once one was replaced after the first call
+        self._probe: tuple[torch.Tensor, int] | None = None  # a parameter and its address at the first call
         self.stats: dict[str, Any] = {
             "pieces": 0,
             "splitting_op_calls": 0,
@@ -277,10 +278,12 @@ class PiecewiseModel:
     # --- the call -------------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs) -> Any:
+        if self._probe is not None and self._probe[0].data_ptr() != self._probe[1]:
+            self._replaced = self._replaced or "the model's parameters moved (model.to(), .half() or .cuda())"
         if self._replaced is not None:
             raise ValueError(
-                f"piecewise: {self._replaced} was replaced after the first call (a new tensor or module assigned "
-                f"to the model). The trace and the captured graphs read parameters and buffers where they were, "
+                f"piecewise: {self._replaced} after the first call. The trace and the captured graphs read "
+                f"parameters and buffers where they were, "
                 f"so they would go on computing with the old ones. Write new values in place (param.copy_(new), "
                 f"model.load_state_dict(state) without assign=True), or compile the model again."
             )
@@ -386,6 +389,8 @@ class PiecewiseModel:
     def _prepare(self, arguments: dict[str, Any]) -> None:
         self._prepared = True
         _watch(self)
+        first = next(iter(self.model.parameters()), None)
+        self._probe = (first, first.data_ptr()) if first is not None else None
         model_tensors = [*self.model.parameters(), *self.model.buffers()]
         for name, value in arguments.items():
             if isinstance(value, torch.Tensor) and name not in self._dynamic:
