@@ -67,7 +67,7 @@ def _on_registration(kind: str):
         if _calls_in_progress or not _watched:
             return None
         for runner in list(_watched):
-            if runner._replaced is None and id(module) in runner._module_ids:
+            if runner._replaced is None and module in runner._modules:
                 prefix = next((n for n, m in runner.model.named_modules() if m is module), "")
                 runner._replaced = f"{kind} `{prefix + '.' if prefix else ''}{name}` was replaced by a new object"
         return None
@@ -84,7 +84,7 @@ def _watch(runner: "PiecewiseModel") -> None:
         modules.register_module_buffer_registration_hook(_on_registration("buffer"))
         modules.register_module_module_registration_hook(_on_registration("submodule"))
         _watch.installed = True
-    runner._module_ids = {id(m) for m in runner.model.modules()}  # alive as long as the runner's model
+    runner._modules = weakref.WeakSet(runner.model.modules())  # by identity; a module dropped later drops out
     _watched.add(runner)
 
 
