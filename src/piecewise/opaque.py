@@ -167,8 +167,8 @@ def opaque_op(
 
     ``name`` is ``"namespace::name"`` (a bare name goes to ``piecewise_ops``). ``fake`` computes output
     metadata from fake inputs (default: one tensor like the first tensor argument; ops returning nothing
-    need none). ``mutates_args`` names the arguments written in place (one name, or several). ``split=True`` makes it a splitting op.
-    Returns the callable op.
+    need none). ``mutates_args`` names the arguments written in place (one name, or several). ``split=True``
+    makes it a splitting op. Returns the callable op.
     """
     qualified = _check_name(name)
 

@@ -283,9 +283,9 @@ class PiecewiseModel:
         if self._replaced is not None:
             raise ValueError(
                 f"piecewise: {self._replaced} after the first call. The trace and the captured graphs read "
-                f"parameters and buffers where they were, "
-                f"so they would go on computing with the old ones. Write new values in place (param.copy_(new), "
-                f"model.load_state_dict(state) without assign=True), or compile the model again."
+                f"parameters and buffers where they were, so they would go on computing with the old ones. Write "
+                f"new values in place (param.copy_(new), model.load_state_dict(state) without assign=True), or "
+                f"compile the model again."
             )
         arguments = self._bind(args, kwargs)
         tokens = self._token_count(arguments)
@@ -420,9 +420,10 @@ class PiecewiseModel:
 
     def _check_padding(self, arguments: dict[str, Any]) -> None:
         """Run the first call's leading tokens padded by one row twice (after a run that traces), the padding
-        rows zero and then copies of real rows: a forward that reads only its own row in the pieces (attention and other cross-token code
-        in splitting ops) gives the same real rows both times. One that mixes rows (a sum or softmax over the
-        tokens, ``x[-1]``) would return padding-dependent numbers on every padded call: refused here."""
+        rows zero and then copies of real rows. A forward whose pieces compute each row from that row alone
+        (attention and other cross-token code in splitting ops) gives the same real rows both times; one that
+        mixes rows (a sum or softmax over the tokens, ``x[-1]``) would return padding-dependent numbers on
+        every padded call: refused here."""
         sizes = [size for size in self._sizes if size >= 2]
         if not sizes:
             return
