@@ -111,3 +111,21 @@ def test_wrap_opaque_rejects_arguments_it_cannot_type():
     wrapped = piecewise.wrap_opaque(lambda x, opts: x * 2, name="test_opaque::takes_dict")
     with pytest.raises(ValueError, match="argument 'opts' is a dict"):
         wrapped(torch.ones(2), {"a": 1})
+
+
+def test_mutates_args_takes_one_name_and_names_a_missing_parameter():
+    @piecewise.opaque_op("test_opaque::bump_one", mutates_args="state")
+    def bump_one(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        state.add_(1)
+        return x + 1
+
+    state = torch.zeros(2)
+    bump_one(torch.zeros(2), state)
+    assert state.tolist() == [1.0, 1.0]
+    written = [a.name for a in bump_one._opoverload._schema.arguments if a.alias_info and a.alias_info.is_write]
+    assert written == ["state"]
+    with pytest.raises(ValueError, match=r"mutates_args names \['cache'\], which bump_two has no parameter for; "
+                                         r"its parameters: \['x', 'state'\]"):
+        @piecewise.opaque_op("test_opaque::bump_two", mutates_args="cache")
+        def bump_two(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+            return x + 1
