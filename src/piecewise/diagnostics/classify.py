@@ -189,9 +189,16 @@ def _explanation(reason: str) -> str:
     return sentence.replace(".`", "`").rstrip(".")
 
 
-# Reasons Dynamo gives without an explanation, reworded.
+# Reasons Dynamo gives without an explanation (or with advice for export users), reworded.
 _TERSE_REASONS = {
     "generic_jump": "Data-dependent branching: Python control flow (`if`, `while`, `bool()`) on a tensor value",
+    "Consider annotating your code using torch._check*(). Could not guard on data-dependent expression": (
+        "Data-dependent branching: a Python condition on a size known only when the code runs (e.g. "
+        "`if t.numel() > 0` after `torch.where` / `nonzero`)"),
+    "Consider annotating your code using torch._check*(). Could not extract specialized integer from "
+    "data-dependent expression": (
+        "Data-dependent value: a Python int taken from a size known only when the code runs (e.g. looping or "
+        "indexing with the count of a `nonzero` result)"),
 }
 
 
