@@ -47,20 +47,27 @@ def build(name: str):
     return model
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_prefill_then_decode_equals_transformers(name):
-    model = build(name)
-    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(1))
+def prefill_then_decode(name: str, device: str = "cpu"):
+    """``name``'s model on ``device``: (piecewise logits of a 6-token prefill and 5 decode steps, transformers'
+    logits of the whole sequence, the runner)."""
+    model = build(name).to(device)
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         expected = model(input_ids=ids[None], use_cache=False).logits[0]
     token_model = TokenModel(enable(model))
     runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
     cache = token_model.make_kv_cache(max_seq_len=32)
     with torch.no_grad():
-        logits = [runner(ids[:6], torch.arange(6), cache)]
+        logits = [runner(ids[:6], torch.arange(6, device=device), cache)]
         for position in range(6, 11):
-            logits.append(runner(ids[position : position + 1], torch.tensor([position]), cache))
-    torch.testing.assert_close(torch.cat(logits), expected, rtol=1e-4, atol=1e-4)
+            logits.append(runner(ids[position : position + 1], torch.tensor([position], device=device), cache))
+    return torch.cat(logits), expected, runner
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_prefill_then_decode_equals_transformers(name):
+    logits, expected, runner = prefill_then_decode(name)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     stats = runner.stats
     assert stats["traces"] == 1 and stats["graph_breaks"] == 0 and stats["pieces"] == SMALL["num_hidden_layers"] + 1
     if name == "DeepseekV3":  # one-token calls run padded to 2

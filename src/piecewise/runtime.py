@@ -9,6 +9,7 @@ import inspect
 import logging
 import re
 import time
+import traceback
 import warnings
 import weakref
 from typing import Any
@@ -30,9 +31,9 @@ logger = logging.getLogger(__name__)
 class ForwardRefused(ValueError):
     """A forward piecewise cannot run correctly with padding and repeated first-call runs. ``kind`` is the
     doctor's blocker kind (``token_mixing``, ``token_branch``, ``state_update``, ``token_argument_write``);
-    ``chain`` the model frames involved, as ``(file, line, function)``, forward first."""
+    ``chain`` the model frames involved, forward first."""
 
-    def __init__(self, message: str, kind: str, chain: list[tuple[str, int, str]] | None = None):
+    def __init__(self, message: str, kind: str, chain: list[traceback.FrameSummary] | None = None):
         super().__init__(message)
         self.kind = kind
         self.chain = list(chain or [])
@@ -60,6 +61,7 @@ class _RandomState:
 
 _calls_in_progress: list = []  # runners inside __call__ (a forward may assign its own attributes)
 _watched: "weakref.WeakSet[PiecewiseModel]" = weakref.WeakSet()
+_hooks: list = []  # torch's handles of the registration hooks below
 
 
 def _on_registration(kind: str):
@@ -77,21 +79,20 @@ def _on_registration(kind: str):
 
 def _watch(runner: "PiecewiseModel") -> None:
     """Flag ``runner`` when one of its model's parameters, buffers or submodules is assigned a new object
-    outside a call (torch's global registration hooks, installed once)."""
-    if not _watched and not getattr(_watch, "installed", False):
+    outside a call (torch's global registration hooks, installed with the first runner)."""
+    if not _hooks:
         modules = torch.nn.modules.module
-        modules.register_module_parameter_registration_hook(_on_registration("parameter"))
-        modules.register_module_buffer_registration_hook(_on_registration("buffer"))
-        modules.register_module_module_registration_hook(_on_registration("submodule"))
-        _watch.installed = True
+        _hooks.append(modules.register_module_parameter_registration_hook(_on_registration("parameter")))
+        _hooks.append(modules.register_module_buffer_registration_hook(_on_registration("buffer")))
+        _hooks.append(modules.register_module_module_registration_hook(_on_registration("submodule")))
     runner._modules = weakref.WeakSet(runner.model.modules())  # by identity; a module dropped later drops out
     _watched.add(runner)
 
 
-def _node_chain(node: torch.fx.Node) -> list[tuple[str, int, str]]:
+def _node_chain(node: torch.fx.Node) -> list[traceback.FrameSummary]:
     from .diagnostics._dynamo import node_stack
 
-    return [(frame.filename, int(frame.lineno or 0), frame.name) for frame in node_stack(node)]
+    return node_stack(node)
 
 
 def _progress():
@@ -599,7 +600,7 @@ class PiecewiseModel:
                 f"must not branch on it: move the branch out of forward, or make that code a splitting op "
                 f"(piecewise.opaque_op(..., split=True)).{hint}",
                 "token_branch",
-                [(located.group(1), int(located.group(2)), located.group(3))] if located else [],
+                [traceback.FrameSummary(located[1], int(located[2]), located[3])] if located else [],
             )
         token_inputs = [node for node in graph.graph.nodes
                         if node.op == "placeholder" and is_token_tensor(node.meta.get("example_value"))]
@@ -726,17 +727,10 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
             warnings.simplefilter("ignore")  # graph breaks: the doctor reports them from its own trace
             runner(*args, **kwargs)
     except CaptureFailed as exc:
-        trace = (exc.node.meta.get("stack_trace") or "") if exc.node is not None else ""
-        chain = [
-            Frame(path, int(line), function, None)
-            for path, line, function in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
-        ]
+        chain = [Frame.from_summary(frame) for frame in (_node_chain(exc.node) if exc.node is not None else [])]
         return [Blocker(kind="capture_illegal", message=str(exc), chain=chain, fix=FIXES["capture_illegal"])]
     except ForwardRefused as exc:
-        import linecache
-
-        chain = [Frame(path, line, function, linecache.getline(path, line).strip() or None)
-                 for path, line, function in exc.chain]
+        chain = [Frame.from_summary(frame) for frame in exc.chain]
         message = str(exc).removeprefix("piecewise: ")
         return [Blocker(kind=exc.kind, message=message, chain=chain, fix=FIXES[exc.kind])]
     finally:

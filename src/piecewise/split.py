@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,9 +161,10 @@ def describe_write(node: torch.fx.Node) -> str:
 
 def user_line(node: torch.fx.Node) -> str:
     """``file:line`` of the model code that made ``node`` (its innermost frame), or "" when unknown."""
-    trace = node.meta.get("stack_trace") or ""
-    found = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+    from .diagnostics._dynamo import node_stack  # the diagnostics import this module
+
+    frames = node_stack(node)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 _ALONG_DIM = frozenset({

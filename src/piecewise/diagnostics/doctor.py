@@ -50,8 +50,8 @@ class DoctorReport:
         }
 
     def to_json(self) -> str:
-        """JSON with stable keys: ok, torch_version, trial_capture, first_call_checked, blockers[{kind, message, chain[{file,
-        line, function, code}], fix}]."""
+        """JSON with stable keys: ok, torch_version, trial_capture, first_call_checked, blockers[{kind, message,
+        chain[{file, line, function, code}], fix}]."""
         return json.dumps(self.to_dict(), indent=2)
 
     def render(self, console: Console) -> None:
