@@ -66,7 +66,8 @@ _hooks: list = []  # torch's handles of the registration hooks below
 
 def _on_registration(kind: str):
     def hook(module: torch.nn.Module, name: str, value: Any) -> None:
-        if _calls_in_progress or not _watched:
+        # Dynamo traces a forward's own attribute assignments into this hook: nothing for it to see here.
+        if torch.compiler.is_compiling() or _calls_in_progress or not _watched:
             return None
         for runner in list(_watched):
             if runner._replaced is None and module in runner._modules:
