@@ -409,6 +409,21 @@ def test_decode_ptx_gives_every_code_times_its_bias_in_pack_order(dtype, bias):
                 assert got == expected, (hex(word), i, nibble, got, expected)
 
 
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, 2.0**120), (torch.float16, 2.0**8)])
+def test_k_order_decode_ptx_gives_code_c_in_output_c(dtype, bias):
+    from piecewise.kernels.nvfp4.ptx import DECODE_K_ORDER_ASM
+
+    asm = DECODE_K_ORDER_ASM["bf16" if dtype == torch.bfloat16 else "f16"]
+    magnitudes = list(E2M1_MAGNITUDES)
+    for _, word in _words_with_every_byte(seed=2):
+        out = _run_ptx(asm, word, word_operand="$8", outputs=8)
+        got = torch.tensor(out, dtype=torch.int32).to(torch.int16).view(dtype).double().tolist()
+        for c in range(8):
+            nibble = (word >> (4 * c)) & 0xF  # code c: nibble c, the low nibble of byte c // 2 first
+            expected = (-1.0 if nibble & 8 else 1.0) * magnitudes[nibble & 7] * bias
+            assert got[c] == expected, (hex(word), c, nibble, got[c], expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_shift_decode_ptx_gives_every_code_as_a_scaled_16_bit_float(dtype):
     from piecewise.kernels.nvfp4.ptx import DECODE_SHIFT_ASM, DECODE_SHIFT_BIAS
@@ -508,6 +523,47 @@ def test_wgmma_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, warps, s
     assert ptx.count("wgmma.mma_async") > 0 and "ld.global.v4" in ptx
 
 
+@pytest.mark.parametrize("dtype,block_m,block_n", [("bf16", 256, 128), ("fp16", 128, 64)])
+def test_prefill_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, block_n):
+    """The Gluon prefill kernel builds for sm_90: TMA for both tiles, wgmma from shared memory, one proxy fence
+    per iteration and no global load of the weight outside TMA."""
+    pytest.importorskip("triton")
+    from piecewise.kernels.nvfp4 import gluon_gemv
+
+    if not gluon_gemv.PREFILL_AVAILABLE:
+        pytest.skip("this Triton's Gluon has no Hopper TMA")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from piecewise.kernels.nvfp4 import _gluon_prefill
+    from piecewise.kernels.nvfp4.ptx import DECODE_K_ORDER_ASM
+
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16 if dtype == "bf16" else gl.float16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, 8], gl.int32)
+    names = ["x_desc", "w_desc", "scales_ptr", "decode_scale_ptr", "bias_ptr", "out_ptr", "rows", "out_features",
+             "row_groups", "stride_out_row", "iterations"]
+    types = [f"tensordesc<{dtype}[{block_m}, 64],{x_layout!r}>", f"tensordesc<i32[{block_n}, 8],{w_layout!r}>",
+             "*u8", "*fp32", f"*{dtype}", f"*{dtype}"] + ["i32"] * 5
+    constants = {"HAS_BIAS": True, "IS_FP16": dtype == "fp16", "STAGES": gluon_gemv.PREFILL_STAGES,
+                 "DECODE": DECODE_K_ORDER_ASM["f16" if dtype == "fp16" else "bf16"], "num_warps": 8}
+    signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(2, 6)}
+    source = GluonASTSource(fn=_gluon_prefill._prefill_kernel, signature=signature, constexprs=constants,
+                            attrs=aligned)
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower() and "not found" in str(exc).lower():
+            pytest.skip(f"no ptxas here: {exc}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor") >= 2 and ptx.count("wgmma.mma_async") > 0
+    assert ptx.count("fence.proxy.async") == 1 and "ld.global.v4" not in ptx
+    assert kernel.metadata.shared <= 227 * 1024
+
+
 def test_kernel_choice_by_token_count_gpu_and_gluon_failures(monkeypatch):
     """``select_config``'s rules with the device queries stubbed (an sm_90 with 132 SMs, then others)."""
     pytest.importorskip("triton")
@@ -528,7 +584,10 @@ def test_kernel_choice_by_token_count_gpu_and_gluon_failures(monkeypatch):
     assert isinstance(pick(33), WgmmaConfig) and isinstance(pick(255), WgmmaConfig)
     assert isinstance(pick(100, torch.float16), WgmmaConfig)
     assert pick(256) is None and pick(4096) is None  # bf16 prefill: dequantize + cuBLAS
-    assert isinstance(pick(256, torch.float16), GemmConfig)
+    # fp16 prefill: the prefill kernel, 128 tokens per program while 256 would leave half the SMs idle.
+    assert pick(256, torch.float16) == gluon_gemv.PrefillConfig(128, 128)
+    assert pick(4096, torch.float16) == gluon_gemv.PrefillConfig(256, 128)
+    assert isinstance(pick(256, torch.float16, k=1040), GemmConfig)  # K not a multiple of 64
     assert isinstance(pick(1, k=1040), GemmConfig) and isinstance(pick(64, k=1040), GemmConfig)
     monkeypatch.setattr(gluon_gemv, "_capability_major", lambda index: 10)  # wgmma is Hopper's; mma.sync is not
     assert isinstance(pick(64), GemmConfig) and isinstance(pick(1), GemvConfig)
@@ -537,6 +596,11 @@ def test_kernel_choice_by_token_count_gpu_and_gluon_failures(monkeypatch):
     assert isinstance(pick(64), GemmConfig) and isinstance(pick(1), GemvConfig)  # the decode kernel stays on
     monkeypatch.setattr(triton_gemm, "_gluon_failure", {"decode": "CompilationError"})
     assert isinstance(pick(1), GemmConfig) and isinstance(pick(64), WgmmaConfig)
+    monkeypatch.setattr(triton_gemm, "_gluon_failure", {"prefill": "CompilationError"})
+    assert isinstance(pick(256, torch.float16), GemmConfig) and isinstance(pick(64), WgmmaConfig)
+    monkeypatch.setattr(triton_gemm, "_gluon_failure", {})
+    monkeypatch.setattr(gluon_gemv, "_capability_major", lambda index: 10)  # TMA + wgmma as written: sm_90 only
+    assert isinstance(pick(256, torch.float16), GemmConfig)
 
 
 def test_gluon_kernels_get_the_weight_on_a_word_boundary():

@@ -8,7 +8,8 @@ from piecewise.kernels.nvfp4 import NVFP4Linear, dequantize, global_scale_for, l
 from piecewise.kernels.nvfp4 import reference, swizzle_scales
 
 pytest.importorskip("triton")  # the kernel modules below need it (a CPU machine may not have it)
-from piecewise.kernels.nvfp4.gluon_gemv import AVAILABLE as GLUON, WGMMA_AVAILABLE, GemvConfig, WgmmaConfig
+from piecewise.kernels.nvfp4.gluon_gemv import AVAILABLE as GLUON, PREFILL_AVAILABLE, WGMMA_AVAILABLE, GemvConfig, WgmmaConfig
+from piecewise.kernels.nvfp4.gluon_gemv import PrefillConfig
 from piecewise.kernels.nvfp4.gluon_gemv import pick_gemv_config, pick_wgmma_config
 from piecewise.kernels.nvfp4.triton_gemm import GemmConfig, pick_config, select_config, sm_count, w4a16_linear
 
@@ -211,16 +212,67 @@ def test_each_token_count_gets_its_kernel():
     for rows in (33, 128, 255):
         assert isinstance(select_config(rows, 4096, 4096, torch.bfloat16, device), WgmmaConfig)
     assert select_config(256, 4096, 4096, torch.bfloat16, device) is None  # dequantize + cuBLAS
-    assert isinstance(select_config(256, 4096, 4096, torch.float16, device), GemmConfig)
+    fp16_prefill = select_config(256, 4096, 4096, torch.float16, device)
+    assert isinstance(fp16_prefill, PrefillConfig if PREFILL_AVAILABLE else GemmConfig)
+    assert isinstance(select_config(300, 1000, 1040, torch.float16, device), GemmConfig)  # K not a multiple of 64
     assert isinstance(select_config(64, 1000, 1040, torch.bfloat16, device), GemmConfig)  # K not a multiple of 128
 
 
-@pytest.mark.parametrize("rows,kernel", [(3, "w4a16_gemv"), (40, "w4a16_wgmma")])
-def test_a_gluon_failure_falls_back_to_the_tl_kernel_with_one_warning(monkeypatch, caplog, rows, kernel):
+@pytest.mark.skipif(not (PREFILL_AVAILABLE and HOPPER), reason="the prefill kernel needs Gluon and sm_90")
+@pytest.mark.parametrize("rows", [1, 200, 256, 300, 1024])
+@pytest.mark.parametrize(
+    "out_features,in_features,config",
+    [
+        (4096, 4096, None),  # the pick
+        (1000, 1408, PrefillConfig(128, 128)),  # N not a multiple of 128, K = 22 iterations of 64
+        (200, 128, PrefillConfig(256, 64)),  # 2 iterations: the first refill is past the end
+        (384, 64, PrefillConfig(128, 256)),  # one iteration
+        (256, 11008, PrefillConfig(256, 128)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_prefill_kernel_matches_dequantize_then_matmul(rows, out_features, in_features, config, dtype):
+    packed, scales, decode = random_weight(out_features, in_features, seed=rows * 3 + in_features)
+    config = config or PrefillConfig()
+    assert_matches_dense_and_tl(rows, packed, scales, decode, dtype, config, GemmConfig(64, 64, 64, 4, 3))
+
+
+@pytest.mark.skipif(not (PREFILL_AVAILABLE and HOPPER), reason="the prefill kernel needs Gluon and sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_prefill_kernel_subnormal_scales_and_activation_views(dtype):
+    """E4M3-subnormal block scales; activation views: a column slice (read through its row stride), a base off
+    16 bytes (copied: TMA cannot address it)."""
+    packed, scales, decode = subnormal_scale_weight(512, 1024)
+    dense = dequantize(packed, scales, torch.reciprocal(decode), dtype=torch.float32)
+    wide = torch.randn(300, 1024 + 72, device="cuda", dtype=dtype)
+    for x in (wide[:, :1024], wide.flatten()[1:1 + 300 * 1024].view(300, 1024), wide[:, 8:1032].contiguous()):
+        out = w4a16_linear(x, packed, scales, decode, config=PrefillConfig(128, 128))
+        expected = x.float() @ dense.T
+        assert rel_error(out[:, :256], expected[:, :256]) <= 1e-2  # the subnormal-scale rows
+        assert rel_error(out[:, 256:], expected[:, 256:]) <= 1e-2
+
+
+@pytest.mark.skipif(not (PREFILL_AVAILABLE and HOPPER), reason="the prefill kernel needs Gluon and sm_90")
+def test_gluon_prefill_kernel_captures_in_a_cuda_graph():
+    packed, scales, decode = random_weight(1024, 2048, seed=11)
+    x = torch.randn(512, 2048, device="cuda", dtype=torch.float16)
+    eager = w4a16_linear(x, packed, scales, decode)
+    assert isinstance(select_config(512, 1024, 2048, torch.float16, 0), PrefillConfig)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = w4a16_linear(x, packed, scales, decode)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, w4a16_linear(x, packed, scales, decode)) and not torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("rows,kernel,dtype", [(3, "w4a16_gemv", torch.bfloat16), (40, "w4a16_wgmma", torch.bfloat16),
+                                              (300, "w4a16_prefill", torch.float16)])
+def test_a_gluon_failure_falls_back_to_the_tl_kernel_with_one_warning(monkeypatch, caplog, rows, kernel, dtype):
     from piecewise.kernels.nvfp4 import gluon_gemv, triton_gemm
 
     packed, scales, decode = random_weight(256, 1024, seed=5)
-    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 1024, device="cuda", dtype=dtype)
     expected = w4a16_linear(x, packed, scales, decode, config=pick_config(rows, 256, 1024, sm_count(0)))
 
     def broken(*args, **kwargs):
@@ -228,14 +280,14 @@ def test_a_gluon_failure_falls_back_to_the_tl_kernel_with_one_warning(monkeypatc
 
     monkeypatch.setattr(gluon_gemv, kernel, broken)
     monkeypatch.setattr(triton_gemm, "_gluon_failure", {})
-    if not isinstance(select_config(rows, 256, 1024, torch.bfloat16, 0), (GemvConfig, WgmmaConfig)):
+    if not isinstance(select_config(rows, 256, 1024, dtype, 0), (GemvConfig, WgmmaConfig, PrefillConfig)):
         pytest.skip("no Gluon kernel for this call on this GPU")
     with caplog.at_level("WARNING", logger="piecewise.kernels.nvfp4.triton_gemm"):
         first = w4a16_linear(x, packed, scales, decode)
         second = w4a16_linear(x, packed, scales, decode)
     assert torch.equal(first, expected) and torch.equal(second, expected)
     warnings = [r.getMessage() for r in caplog.records]
-    name = "decode" if kernel == "w4a16_gemv" else "wgmma"
+    name = {"w4a16_gemv": "decode", "w4a16_wgmma": "wgmma", "w4a16_prefill": "prefill"}[kernel]
     assert len(warnings) == 1 and f"Gluon {name} kernel failed" in warnings[0] and "DistributedLinearLayout" in warnings[0]
     assert set(triton_gemm._gluon_failure) == {name}  # the other Gluon kernel stays on
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .ptx import DECODE_SHIFT_ASM
+from .ptx import DECODE_K_ORDER_ASM, DECODE_SHIFT_ASM
 
 try:
     from ._gluon_kernel import _gemv_kernel
@@ -62,6 +62,18 @@ try:
     WGMMA_AVAILABLE = AVAILABLE
 except Exception:  # noqa: BLE001 - as above: the tl kernel runs for 33..255 tokens
     WGMMA_AVAILABLE = False
+try:
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _TensorDescriptor
+
+    from ._gluon_prefill import BLOCK_K as _PREFILL_BLOCK_K
+    from ._gluon_prefill import _prefill_kernel
+
+    PREFILL_BLOCK_K = int(_PREFILL_BLOCK_K.value)
+    PREFILL_AVAILABLE = AVAILABLE
+except Exception:  # noqa: BLE001 - as above: dequantize + cuBLAS runs for prefill
+    PREFILL_AVAILABLE = False
+    PREFILL_BLOCK_K = 64
 
 STEP = 128
 """Codes of K per warp per step (4 threads × 32)."""
@@ -217,5 +229,70 @@ def w4a16_wgmma(
     _wgmma_kernel[grid](
         *arguments, in_features // (STEP * config.steps), **constexprs,
         BLOCK_M=block_m, WARPS=config.warps, STEPS=config.steps, num_warps=config.warps,
+    )
+    return out
+
+
+# --- prefill: the weight decoded into shared memory (``_gluon_prefill``) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 256
+    """Tokens per program (wgmma's M, two warpgroups): 128 or 256. Each weight byte is decoded once per this many
+    tokens."""
+    block_n: int = 128
+    """Weight rows per program (wgmma's N): 64, 128 or 256."""
+
+    def __post_init__(self):
+        if self.block_m not in (128, 256) or self.block_n not in (64, 128, 256) or self.block_m * self.block_n > 32768:
+            raise ValueError(f"{self}: block_m must be 128 or 256, block_n 64, 128 or 256, not both 256 (shared memory)")
+
+
+PREFILL_STAGES = 4
+"""Stages of activation + packed-weight tiles (a stage is refilled two iterations after its wgmma was issued)."""
+
+
+@functools.cache
+def pick_prefill_config(rows: int, out_features: int, sms: int) -> PrefillConfig:
+    """256 tokens per program unless that leaves more than half the SMs idle (then 128): from a sweep on an H200
+    (512..4096 tokens, K = N = 4096 and 8192; ``benchmarks/results/2026-11-30-h200-nvfp4-prefill.md``)."""
+    programs = triton.cdiv(rows, 256) * triton.cdiv(out_features, 128)
+    return PrefillConfig(block_m=128 if 2 * programs <= sms else 256, block_n=128)
+
+
+def prefill_supported(in_features: int, device_index: int) -> bool:
+    """Whether the prefill kernel can take a [*, K] × [N, K] product: Gluon with Hopper TMA, sm_90, K a multiple of
+    64 (``w4a16_prefill`` copies an activation view whose rows TMA cannot address)."""
+    return PREFILL_AVAILABLE and in_features % PREFILL_BLOCK_K == 0 and _capability_major(device_index) == 9
+
+
+def w4a16_prefill(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, decode_scale: torch.Tensor,
+    bias: torch.Tensor | None, out: torch.Tensor, config: PrefillConfig,
+) -> torch.Tensor:
+    """``out = x @ W.T (+ bias)`` for checked operands (``scales`` as uint8, K a multiple of 64); returns ``out``."""
+    rows, in_features = x.shape
+    if in_features % PREFILL_BLOCK_K:
+        raise ValueError(f"K={in_features} is not a multiple of {PREFILL_BLOCK_K}")
+    # TMA: 16-byte aligned base and row strides, unit stride along K.
+    if x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    if weight.data_ptr() % 16 or not weight.is_contiguous():
+        weight = weight.clone(memory_format=torch.contiguous_format)
+    is_fp16 = x.dtype == torch.float16
+    x_block = [config.block_m, PREFILL_BLOCK_K]
+    x_layout = _gl.NVMMASharedLayout.get_default_for(x_block, _gl.float16 if is_fp16 else _gl.bfloat16)
+    x_desc = _TensorDescriptor(x, list(x.shape), list(x.stride()), x_block, x_layout)
+    words = weight.view(torch.int32)  # [N, K/8]: rows of K/2 bytes, a multiple of 32
+    w_block = [config.block_n, PREFILL_BLOCK_K // 8]
+    w_layout = _gl.NVMMASharedLayout.get_default_for(w_block, _gl.int32)
+    w_desc = _TensorDescriptor(words, list(words.shape), list(words.stride()), w_block, w_layout)
+    grid = (triton.cdiv(rows, config.block_m), triton.cdiv(weight.shape[0], config.block_n))
+    _prefill_kernel[grid](
+        x_desc, w_desc, scales, decode_scale, bias if bias is not None else decode_scale, out,
+        rows, weight.shape[0], in_features // 16, out.stride(0), in_features // PREFILL_BLOCK_K,
+        HAS_BIAS=bias is not None, IS_FP16=is_fp16, DECODE=DECODE_K_ORDER_ASM["f16" if is_fp16 else "bf16"],
+        STAGES=PREFILL_STAGES, num_warps=8,
     )
     return out

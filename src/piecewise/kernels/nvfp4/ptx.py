@@ -7,12 +7,15 @@ a small PTX emulator for every byte value.
 from __future__ import annotations
 
 
-def _decode_asm(out_dtype: str) -> str:
+def _decode_asm(out_dtype: str, k_order: bool = False) -> str:
     """PTX: 4 packed bytes (8 E2M1 codes) → 8 16-bit floats ``e2m1(c) · 2^bias``, as two outputs of 4.
 
     Input ``$4``: the 4 bytes. Outputs ``$0``/``$1``: the values of the low nibbles of bytes 0..3, ``$2``/``$3``:
     the high nibbles. Byte lookup tables (``prmt``: the 3 magnitude bits pick a byte, the sign bit ORs in 0x80);
     14 instructions per 8 values (12 for f16, whose E2M1 values all have a zero low byte).
+
+    ``k_order``: the same tables, but the last byte permutes put codes in K order, code c in output ``$c`` (a
+    16-bit half; input ``$8``): registers hold the pairs (2j, 2j + 1), ready for a 16-byte store.
     """
     high = (_LUT_BF16_HIGH_0_3, _LUT_BF16_HIGH_4_7) if out_dtype == "bf16" else (_LUT_F16_HIGH_0_3, _LUT_F16_HIGH_4_7)
     lines = [
@@ -38,6 +41,17 @@ def _decode_asm(out_dtype: str) -> str:
     else:
         lines += ["mov.b32 lo_lo, 0;", "mov.b32 lo_hi, 0;"]
     # Code i of the word sits in byte i of the (lo_*, hi_*) pairs; bytes 0, 2 are low nibbles, 1, 3 high ones.
+    if k_order:
+        lines[0:2] = ["{", ".reg .b32 sgn, sgn_lo, sgn_hi, mag, mag_hi, hi_lo, hi_hi, s_lo, s_hi, lo_lo, lo_hi, p0, p1, p2, p3;"]
+        lines = [line.replace("$4", "$8") for line in lines]
+        lines += [
+            "prmt.b32 p0, lo_lo, hi_lo, 20800;",  # 0x5140: codes 0, 1
+            "prmt.b32 p1, lo_lo, hi_lo, 29538;",  # 0x7362: codes 2, 3
+            "prmt.b32 p2, lo_hi, hi_hi, 20800;",  # codes 4, 5
+            "prmt.b32 p3, lo_hi, hi_hi, 29538;",  # codes 6, 7
+        ]
+        lines += [f"mov.b32 {{${2 * n}, ${2 * n + 1}}}, p{n};" for n in range(4)]
+        return "\n".join(lines + ["}"])
     lines += [
         "prmt.b32 $0, lo_lo, hi_lo, 25152;",  # 0x6240: codes 0, 2 (low nibbles of bytes 0, 1)
         "prmt.b32 $1, lo_hi, hi_hi, 25152;",  # codes 4, 6 (bytes 2, 3)
@@ -62,6 +76,9 @@ _MAGNITUDE_BITS = 2004318071  # 0x77777777
 
 DECODE_ASM = {"bf16": _decode_asm("bf16"), "f16": _decode_asm("f16")}
 """PTX for ``tl.inline_asm_elementwise(..., constraints="=r,=r,=r,=r,r", pack=4)``, by output dtype."""
+DECODE_K_ORDER_ASM = {"bf16": _decode_asm("bf16", k_order=True), "f16": _decode_asm("f16", k_order=True)}
+"""For ``inline_asm_elementwise`` on an int32 tensor (pack=1, constraints ``"=h" * 8, "r"``): code ``c`` of the
+word in output ``c``, as ``e2m1 · 2^120`` (bf16) or ``e2m1 · 2^8`` (f16), the bias of ``DECODE_ASM``."""
 
 
 def _decode_shift_asm(out_dtype: str) -> str:

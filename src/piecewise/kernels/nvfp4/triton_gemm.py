@@ -36,7 +36,17 @@ import triton
 import triton.language as tl
 
 from .checks import check_gemm_inputs
-from .gluon_gemv import GemvConfig, WgmmaConfig, gemv_supported, pick_gemv_config, pick_wgmma_config, wgmma_supported
+from .gluon_gemv import (
+    GemvConfig,
+    PrefillConfig,
+    WgmmaConfig,
+    gemv_supported,
+    pick_gemv_config,
+    pick_prefill_config,
+    pick_wgmma_config,
+    prefill_supported,
+    wgmma_supported,
+)
 from . import gluon_gemv
 from .ptx import DECODE_ASM
 
@@ -70,7 +80,10 @@ _CONFIG_TABLE: tuple[tuple[int, GemmConfig], ...] = (
 )
 DENSE_FROM_ROWS = 256
 """From this many rows on (bf16 activations), dequantizing W to a bf16 scratch and calling cuBLAS beats the
-fused kernel. fp16 stays fused: weights far below 1 can fall under fp16's range once the decode scale is in."""
+fused kernels. fp16 stays fused: weights far below 1 can fall under fp16's range once the decode scale is in."""
+PREFILL_FROM_ROWS = 256
+"""From this many rows on, fp16 activations on Hopper take the Gluon prefill kernel (``gluon_gemv.w4a16_prefill``)
+instead of the tl kernel."""
 _MAX_SPLIT_K = 16
 _MIN_K_STEPS_PER_SPLIT = 2
 # Programs per SM to aim for when splitting K (the M ≤ 16 config fits 7 per SM on sm_90: 92 registers, 29 KB
@@ -277,8 +290,8 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 _gluon_failure: dict[str, str] = {}
-"""Gluon kernels turned off in this process ("decode", "wgmma") and why."""
-_GLUON_TOKENS = {"decode": "1..16", "wgmma": "33..255"}
+"""Gluon kernels turned off in this process ("decode", "wgmma", "prefill") and why."""
+_GLUON_TOKENS = {"decode": "1..16", "wgmma": "33..255", "prefill": f"fp16 calls of {PREFILL_FROM_ROWS}+"}
 
 
 def _disable_gluon(kernel: str, exc: BaseException) -> None:
@@ -292,12 +305,16 @@ def _disable_gluon(kernel: str, exc: BaseException) -> None:
 
 def select_config(
     rows: int, out_features: int, in_features: int, dtype: torch.dtype, device_index: int
-) -> GemmConfig | GemvConfig | WgmmaConfig | None:
+) -> GemmConfig | GemvConfig | WgmmaConfig | PrefillConfig | None:
     """What ``w4a16_linear`` launches for x [rows, K] × W [N, K]: a Gluon kernel's config (decode kernel for 1..16
-    tokens, wgmma kernel for 33..255 on Hopper), the tl kernel's, or None for dequantize + cuBLAS (bf16 prefill)."""
+    tokens, wgmma kernel for 33..255 on Hopper, prefill kernel for fp16 from 256 on Hopper), the tl kernel's, or
+    None for dequantize + cuBLAS (bf16 prefill)."""
     if rows >= DENSE_FROM_ROWS and dtype == torch.bfloat16:
         return None
     sms = sm_count(device_index)
+    if (rows >= PREFILL_FROM_ROWS and "prefill" not in _gluon_failure
+            and prefill_supported(in_features, device_index)):
+        return pick_prefill_config(rows, out_features, sms)
     # The *_supported checks cover token count and K, so the picks below are never None.
     if "decode" not in _gluon_failure and gemv_supported(rows, in_features, device_index):
         return pick_gemv_config(rows, out_features, in_features, sms)
@@ -312,11 +329,11 @@ def w4a16_linear(
     scales: torch.Tensor,
     decode_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: GemmConfig | GemvConfig | WgmmaConfig | None = None,
+    config: GemmConfig | GemvConfig | WgmmaConfig | PrefillConfig | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T + bias`` → [M, N] in x's dtype, on CUDA. ``config`` overrides the choice (benchmarks):
-    a ``GemvConfig`` runs the Gluon decode kernel, a ``WgmmaConfig`` the Gluon wgmma kernel, a ``GemmConfig`` the
-    tl kernel."""
+    a ``GemvConfig`` runs the Gluon decode kernel, a ``WgmmaConfig`` the Gluon wgmma kernel, a ``PrefillConfig``
+    the Gluon prefill kernel, a ``GemmConfig`` the tl kernel."""
     check_gemm_inputs(x, weight, scales, decode_scale, bias)
     rows, in_features = x.shape
     out_features = weight.shape[0]
@@ -334,16 +351,21 @@ def w4a16_linear(
         config = select_config(rows, out_features, in_features, x.dtype, device_index)
         if config is None:
             return _dense_linear(x, weight, scales, decode_scale, bias)
-    if isinstance(config, (GemvConfig, WgmmaConfig)):
+    if isinstance(config, (GemvConfig, WgmmaConfig, PrefillConfig)):
+        kernel = {GemvConfig: "decode", WgmmaConfig: "wgmma", PrefillConfig: "prefill"}[type(config)]
         try:
-            if isinstance(config, GemvConfig):
+            if kernel == "decode":
                 return gluon_gemv.w4a16_gemv(x, weight, scales, decode_scale, bias, out, config)
-            return gluon_gemv.w4a16_wgmma(x, weight, scales, decode_scale, bias, out, config)
+            if kernel == "wgmma":
+                return gluon_gemv.w4a16_wgmma(x, weight, scales, decode_scale, bias, out, config)
+            return gluon_gemv.w4a16_prefill(x, weight, scales, decode_scale, bias, out, config)
         except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon does not compile this kernel
             if not chosen:
                 raise
-            _disable_gluon("decode" if isinstance(config, GemvConfig) else "wgmma", exc)
-            config = pick_config(rows, out_features, in_features, sm_count(device_index))
+            _disable_gluon(kernel, exc)
+            config = select_config(rows, out_features, in_features, x.dtype, device_index)
+            if config is None:
+                return _dense_linear(x, weight, scales, decode_scale, bias)
     grid_n, grid_m = triton.cdiv(out_features, config.block_n), triton.cdiv(rows, config.block_m)
     k_steps = triton.cdiv(in_features, config.block_k)
     k_per_split = triton.cdiv(k_steps, config.split_k) * config.block_k
