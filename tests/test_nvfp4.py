@@ -588,6 +588,11 @@ def test_kernel_choice_by_token_count_gpu_and_gluon_failures(monkeypatch):
     assert pick(256, torch.float16) == gluon_gemv.PrefillConfig(128, 128)
     assert pick(4096, torch.float16) == gluon_gemv.PrefillConfig(256, 128)
     assert isinstance(pick(256, torch.float16, k=1040), GemmConfig)  # K not a multiple of 64
+    # bf16 on layers of at least 2^26 weights up to 512 tokens: the prefill kernel (no dequantize pass).
+    assert triton_gemm.select_config(256, 8192, 8192, torch.bfloat16, 0) == gluon_gemv.PrefillConfig(128, 128)
+    assert triton_gemm.select_config(512, 28672, 4096, torch.bfloat16, 0) == gluon_gemv.PrefillConfig(256, 128)
+    assert triton_gemm.select_config(513, 8192, 8192, torch.bfloat16, 0) is None
+    assert triton_gemm.select_config(256, 4096, 14336, torch.bfloat16, 0) is None
     assert isinstance(pick(1, k=1040), GemmConfig) and isinstance(pick(64, k=1040), GemmConfig)
     monkeypatch.setattr(gluon_gemv, "_capability_major", lambda index: 10)  # wgmma is Hopper's; mma.sync is not
     assert isinstance(pick(64), GemmConfig) and isinstance(pick(1), GemvConfig)

@@ -215,6 +215,8 @@ def test_each_token_count_gets_its_kernel():
     fp16_prefill = select_config(256, 4096, 4096, torch.float16, device)
     assert isinstance(fp16_prefill, PrefillConfig if PREFILL_AVAILABLE else GemmConfig)
     assert isinstance(select_config(300, 1000, 1040, torch.float16, device), GemmConfig)  # K not a multiple of 64
+    big_bf16 = select_config(256, 8192, 8192, torch.bfloat16, device)  # a large layer: no dequantize pass
+    assert isinstance(big_bf16, PrefillConfig) if PREFILL_AVAILABLE else big_bf16 is None
     assert isinstance(select_config(64, 1000, 1040, torch.bfloat16, device), GemmConfig)  # K not a multiple of 128
 
 

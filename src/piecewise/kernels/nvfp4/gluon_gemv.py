@@ -1,5 +1,6 @@
-"""Host side of the two Gluon W4A16 kernels: decode (1..16 tokens, below) and wgmma (33..255 tokens on Hopper,
-``_gluon_wgmma``, at the end of this module: it reuses this kernel's weight loads and decode).
+"""Host side of the three Gluon W4A16 kernels: decode (1..16 tokens, below), wgmma (33..255 tokens on Hopper,
+``_gluon_wgmma``: it reuses this kernel's weight loads and decode) and prefill (from 256 tokens on Hopper,
+``_gluon_prefill``: the weight decoded into shared memory), the last two at the end of this module.
 
 Decode kernel (M ≤ 16 tokens): mma.sync fed straight from 16-byte weight loads.
 

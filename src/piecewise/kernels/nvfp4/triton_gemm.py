@@ -14,9 +14,11 @@ accumulator once at the end. On sm_90 the M ≤ 16 loop compiles to ~7.9 SASS in
 about 3 of them the decode and scale; the rest are wgmma issue, address and pipeline bookkeeping.
 
 ``w4a16_linear`` picks the kernel by token count (``select_config``, fixed rules): the Gluon decode kernel for
-1..16 tokens and the Gluon wgmma kernel for 33..255 on Hopper (both need K a multiple of 128; ``gluon_gemv``),
-dequantize + cuBLAS for bf16 from 256 tokens on, and this tl kernel for everything else (17..32 tokens, K not a
-multiple of 128, fp16 prefill, GPUs or Tritons without the Gluon kernels).
+1..16 tokens and the Gluon wgmma kernel for 33..255 on Hopper (both need K a multiple of 128; ``gluon_gemv``);
+from 256 tokens on Hopper the Gluon prefill kernel for fp16 and, up to 512 tokens on layers of at least 2^26
+weights, for bf16 (K a multiple of 64); dequantize + cuBLAS for the other bf16 calls from 256 tokens on; and this
+tl kernel for everything else (17..32 tokens, K not a multiple of 128, GPUs or Tritons without the Gluon
+kernels).
 
 Launch configuration comes from a fixed table keyed on M (``pick_config``), never from autotuning, so the first
 call inside a CUDA-graph capture launches exactly what eager calls launch. For few output tiles (small M) the K
@@ -84,6 +86,11 @@ fused kernels. fp16 stays fused: weights far below 1 can fall under fp16's range
 PREFILL_FROM_ROWS = 256
 """From this many rows on, fp16 activations on Hopper take the Gluon prefill kernel (``gluon_gemv.w4a16_prefill``)
 instead of the tl kernel."""
+PREFILL_BF16 = (512, 1 << 26)
+"""bf16 calls of up to 512 rows on layers of at least 2^26 weights take the prefill kernel instead of dequantize +
+cuBLAS: there the dequantize pass (N·K·2.6 bytes) costs more than the kernel's slower multiply, and there is no
+N·K scratch (``benchmarks/results/2026-11-30-h200-nvfp4-prefill.md``: 8192² at 256 / 512 tokens 94 / 126 µs
+against 100 / 143; 28672 × 4096 at 256 tokens 131 against 181, at 512 even; smaller layers lose)."""
 _MAX_SPLIT_K = 16
 _MIN_K_STEPS_PER_SPLIT = 2
 # Programs per SM to aim for when splitting K (the M ≤ 16 config fits 7 per SM on sm_90: 92 registers, 29 KB
@@ -307,13 +314,15 @@ def select_config(
     rows: int, out_features: int, in_features: int, dtype: torch.dtype, device_index: int
 ) -> GemmConfig | GemvConfig | WgmmaConfig | PrefillConfig | None:
     """What ``w4a16_linear`` launches for x [rows, K] × W [N, K]: a Gluon kernel's config (decode kernel for 1..16
-    tokens, wgmma kernel for 33..255 on Hopper, prefill kernel for fp16 from 256 on Hopper), the tl kernel's, or
-    None for dequantize + cuBLAS (bf16 prefill)."""
+    tokens, wgmma kernel for 33..255 on Hopper, prefill kernel from 256 on Hopper for fp16, and for bf16 on large
+    layers up to 512), the tl kernel's, or None for dequantize + cuBLAS (other bf16 prefill)."""
+    prefill = (rows >= PREFILL_FROM_ROWS and "prefill" not in _gluon_failure
+               and prefill_supported(in_features, device_index))
     if rows >= DENSE_FROM_ROWS and dtype == torch.bfloat16:
-        return None
+        if not (prefill and rows <= PREFILL_BF16[0] and out_features * in_features >= PREFILL_BF16[1]):
+            return None
     sms = sm_count(device_index)
-    if (rows >= PREFILL_FROM_ROWS and "prefill" not in _gluon_failure
-            and prefill_supported(in_features, device_index)):
+    if prefill:
         return pick_prefill_config(rows, out_features, sms)
     # The *_supported checks cover token count and K, so the picks below are never None.
     if "decode" not in _gluon_failure and gemv_supported(rows, in_features, device_index):
