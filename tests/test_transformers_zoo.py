@@ -1,6 +1,7 @@
 """More transformers architectures under piecewise on CPU (tiny random configs, no downloads): dense, MoE
 (stacked experts through the experts interface) and MLA (DeepSeek-V3). Each: a 6-token prefill into the KV
-cache, then 5 one-token decode steps, against transformers' forward over the whole sequence."""
+cache, then 5 one-token decode steps, against transformers' forward over the whole sequence. And the
+architectures piecewise refuses, with the reason."""
 
 import pytest
 import torch
@@ -23,6 +24,15 @@ ARCHITECTURES = {
     "Phi3": ("Phi3Config", {}),
     "Gemma3Text": ("Gemma3TextConfig", dict(sliding_window=4)),
     "Olmo2": ("Olmo2Config", {}),
+    # decoder layers that call their attention without passing keyword arguments on (the cache is routed)
+    "StableLm": ("StableLmConfig", {}),  # also partial rotary (a quarter of each head)
+    "GPTNeoX": ("GPTNeoXConfig", dict(num_key_value_heads=None)),  # fused qkv, parallel residual
+    "Gemma2": ("Gemma2Config", dict(sliding_window=4)),  # logit softcapping, alternating sliding window
+    "Cohere2": ("Cohere2Config", dict(sliding_window=4)),
+    "Starcoder2": ("Starcoder2Config", dict(sliding_window=4)),  # LayerNorm, biases
+    "GraniteMoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "Glm4Moe": ("Glm4MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      first_k_dense_replace=1, n_group=1, topk_group=1)),
     # MLA: keys of nope + rope width, values of another; the trace assumes more than one token (key assembly)
     "DeepseekV3": ("DeepseekV3Config", dict(num_key_value_heads=4, head_dim=None, n_routed_experts=4,
                                             num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=16,
@@ -72,3 +82,29 @@ def test_prefill_then_decode_equals_transformers(name):
     assert stats["traces"] == 1 and stats["graph_breaks"] == 0 and stats["pieces"] == SMALL["num_hidden_layers"] + 1
     if name == "DeepseekV3":  # one-token calls run padded to 2
         assert stats["capture_sizes"][0] == 2
+
+
+@pytest.mark.parametrize("name,config_class,extra", [
+    ("Falcon", "FalconConfig", dict(num_key_value_heads=None, head_dim=None)),
+    ("Bloom", "BloomConfig", dict(num_key_value_heads=None, head_dim=None, n_head=4)),
+])
+def test_models_whose_attention_bypasses_the_interface_are_refused(name, config_class, extra):
+    """Falcon and Bloom compute attention in their own modules: enable() refuses them (before, Falcon failed
+    with a TypeError on the replaced mask, and the cache would never have been used)."""
+    ARCHITECTURES[name] = (config_class, extra)
+    try:
+        model = build(name)
+    finally:
+        del ARCHITECTURES[name]
+    with pytest.raises(ValueError, match=r"Attention computes attention in its own code.*ALL_ATTENTION_FUNCTIONS"):
+        enable(model)
+    assert model.config._attn_implementation != "piecewise"
+
+
+def test_a_cache_of_the_wrong_head_count_is_refused_with_the_shapes():
+    model = build("Qwen2")
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=32)
+    wrong = torch.zeros(*cache.shape[:-2], cache.shape[-2] * 2, cache.shape[-1])
+    with torch.no_grad(), pytest.raises(ValueError, match=r"has 2 key/value heads of width 16, the KV cache 4 of width 16"):
+        token_model(torch.tensor([3, 4]), torch.arange(2), wrong)

@@ -29,7 +29,9 @@ grouped op captured in the pieces. ``TokenModel`` gives the model the token-majo
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +110,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         width = max(q.shape[-1], value_dim)
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     kv_cache = kwargs.get("piecewise_kv_cache")
+    if kv_cache is not None and tuple(kv_cache.shape[-2:]) != tuple(k.shape[1:]):
+        raise ValueError(
+            f"{type(module).__name__} (layer {module.layer_idx}) has {k.shape[1]} key/value heads of width "
+            f"{k.shape[2]}, the KV cache {kv_cache.shape[-2]} of width {kv_cache.shape[-1]}: make the cache with "
+            f"TokenModel(model).make_kv_cache (it reads them from the config), after tensor_parallel if used"
+        )
     if kv_cache is None:
         out = causal_attention(q, k, v, scale, window, softcap)
     elif kwargs.get("piecewise_slots") is not None:
@@ -182,9 +190,11 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     from transformers.masking_utils import AttentionMaskInterface
 
     _check_config(model.config)
+    _check_attention_modules(model)
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, _no_mask)
     model.config._attn_implementation = NAME
+    _route_attention_kwargs(model)
     if experts is None:
         stacked = [m.gate_up_proj for m in model.modules()
                    if _is_experts(m) and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)]
@@ -193,6 +203,56 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     if experts:
         _use_piecewise_experts(model)
     return model
+
+
+def _attention_modules(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(parent, attention module) pairs: transformers names its attention classes ``*Attention``."""
+    return [(parent, child) for parent in model.modules() for child in parent.children()
+            if type(child).__name__.endswith("Attention")]
+
+
+def _check_attention_modules(model: nn.Module) -> None:
+    """Refuse a model whose attention classes compute attention in their own code (Falcon, Bloom, GPT-J, MPT,
+    CodeGen): they never call transformers' attention interface, so piecewise's attention and KV cache would
+    not be used, and with the mask function replaced they fail or compute without a mask."""
+    for cls in {type(child) for _, child in _attention_modules(model)}:
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):  # no source to read: assume the interface
+            continue
+        if "ALL_ATTENTION_FUNCTIONS" not in source:
+            raise ValueError(
+                f"piecewise.integrations.transformers cannot run {type(model).__name__}: {cls.__name__} computes "
+                f"attention in its own code, not through transformers' attention interface (ALL_ATTENTION_FUNCTIONS), "
+                f"so piecewise's attention and KV cache would not be used. Compile the model without enable(), "
+                f"or use an architecture whose attention goes through the interface"
+            )
+
+
+_ROUTED = ("piecewise_kv_cache", "piecewise_slots")
+
+
+def _route_attention_kwargs(model: nn.Module) -> None:
+    """Hand ``TokenModel``'s cache and slots to every attention module, also where a decoder layer calls its
+    attention without passing its keyword arguments on (StableLM, GPT-NeoX: the attention would otherwise run
+    without the cache and attend to the call's own tokens only). A pre-hook on the layer keeps them, one on the
+    attention module adds what its call lacks. Installed once per attention module."""
+    for parent, child in _attention_modules(model):
+        if getattr(child, "_piecewise_routed", False):
+            continue
+        routed: dict[str, Any] = {}
+
+        def keep(module, args, kwargs, routed=routed):
+            routed.clear()
+            routed.update({key: kwargs[key] for key in _ROUTED if key in kwargs})
+
+        def add(module, args, kwargs, routed=routed):
+            missing = {key: value for key, value in routed.items() if key not in kwargs}
+            return (args, {**kwargs, **missing}) if missing else None
+
+        parent.register_forward_pre_hook(keep, with_kwargs=True)
+        child.register_forward_pre_hook(add, with_kwargs=True)
+        child._piecewise_routed = True
 
 
 def _use_piecewise_experts(model: nn.Module) -> None:
@@ -283,7 +343,7 @@ class TokenModel(nn.Module):
         sequence, or [layers, 2, sequences, max_seq_len, kv heads, head_dim] for ``slots``."""
         c = self.model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_heads = c.num_key_value_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         if getattr(c, "kv_lora_rank", None):  # MLA: per-head keys (nope + rope) and values, one width for both
             head_dim = max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
             kv_heads = c.num_attention_heads
