@@ -33,6 +33,10 @@ ARCHITECTURES = {
     "GraniteMoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "Glm4Moe": ("Glm4MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                       first_k_dense_replace=1, n_group=1, topk_group=1)),
+    # attention modules that pass no position_ids to the attention (TokenModel's positions are shared)
+    "GPTBigCode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                            num_key_value_heads=None, head_dim=None)),
+    "Persimmon": ("PersimmonConfig", dict(num_key_value_heads=None, head_dim=None)),
     # MLA: keys of nope + rope width, values of another; the trace assumes more than one token (key assembly)
     "DeepseekV3": ("DeepseekV3Config", dict(num_key_value_heads=4, head_dim=None, n_routed_experts=4,
                                             num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=16,
@@ -99,6 +103,22 @@ def test_models_whose_attention_bypasses_the_interface_are_refused(name, config_
     with pytest.raises(ValueError, match=r"Attention computes attention in its own code.*ALL_ATTENTION_FUNCTIONS"):
         enable(model)
     assert model.config._attn_implementation != "piecewise"
+
+
+@pytest.mark.parametrize("name,config_class,extra,message", [
+    ("Doge", "DogeConfig", {}, r"DogeAttention passes an attention mask of its own \(\(1, 4, 6, 6\)\)"),
+    ("OPT", "OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64, num_key_value_heads=None, head_dim=None),
+     r"builds its attention mask from a padding mask \(1, 6\).*OPT, BioGPT"),
+])
+def test_attention_masks_the_op_cannot_apply_are_refused_at_the_call(name, config_class, extra, message):
+    """Doge adds a learned mask to the scores; OPT makes a padding mask of ones for its positions. Before, Doge's
+    decode returned wrong logits without an error (max error 0.5)."""
+    ARCHITECTURES[name] = (config_class, extra)
+    try:
+        with pytest.raises(ValueError, match=message):
+            prefill_then_decode(name)
+    finally:
+        del ARCHITECTURES[name]
 
 
 def test_a_cache_of_the_wrong_head_count_is_refused_with_the_shapes():

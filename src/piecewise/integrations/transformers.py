@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import inspect
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +100,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             f"the piecewise attention takes one sequence (batch 1), got a batch of {query.shape[0]}: call the "
             f"model through piecewise.integrations.transformers.TokenModel"
         )
+    if attention_mask is not None:  # the causal mask is never built (_no_mask): this one is the model's own
+        raise ValueError(
+            f"{type(module).__name__} passes an attention mask of its own ({tuple(attention_mask.shape)}), which the "
+            f"piecewise attention does not apply (it computes causal, sliding-window and softcapped attention): "
+            f"leave this model's attn_implementation as it was"
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = int(kwargs.get("sliding_window") or 0)
     softcap = float(kwargs.get("softcap") or 0.0)
@@ -109,7 +114,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if q.shape[-1] != value_dim:  # MLA (DeepSeek-V3): zero columns up to one width leave q·k unchanged
         width = max(q.shape[-1], value_dim)
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-    kv_cache = kwargs.get("piecewise_kv_cache")
+    call = {**getattr(module, "_piecewise_call", {}), **kwargs}  # TokenModel's call arguments, then the passed ones
+    kv_cache = call.get("piecewise_kv_cache")
     if kv_cache is not None and tuple(kv_cache.shape[-2:]) != tuple(k.shape[1:]):
         raise ValueError(
             f"{type(module).__name__} (layer {module.layer_idx}) has {k.shape[1]} key/value heads of width "
@@ -118,12 +124,21 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         )
     if kv_cache is None:
         out = causal_attention(q, k, v, scale, window, softcap)
-    elif kwargs.get("piecewise_slots") is not None:
-        out = slot_attention(q, k, v, kwargs["position_ids"][0], kwargs["piecewise_slots"], kv_cache,
-                             module.layer_idx, scale, window, softcap)
     else:
-        out = cached_attention(q, k, v, kwargs["position_ids"][0], kv_cache, module.layer_idx, scale, window,
-                               softcap).view(q.shape)
+        positions = call.get("piecewise_positions")
+        if positions is None:
+            if call.get("position_ids") is None:
+                raise ValueError(
+                    f"{type(module).__name__} passes no position_ids to the attention, which the KV cache needs: "
+                    f"call the model through piecewise.integrations.transformers.TokenModel"
+                )
+            positions = call["position_ids"][0]
+        if call.get("piecewise_slots") is not None:
+            out = slot_attention(q, k, v, positions, call["piecewise_slots"], kv_cache, module.layer_idx, scale,
+                                 window, softcap)
+        else:
+            out = cached_attention(q, k, v, positions, kv_cache, module.layer_idx, scale, window,
+                                   softcap).view(q.shape)
     return out[..., :value_dim].unsqueeze(0), None
 
 
@@ -156,10 +171,13 @@ def _is_experts(module: nn.Module) -> bool:
 
 
 def _no_mask(*args, **kwargs):
-    if kwargs.get("attention_mask") is not None:
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
         raise ValueError(
-            "the piecewise attention takes no attention_mask (one unpadded sequence, causal): call the model "
-            "through piecewise.integrations.transformers.TokenModel"
+            f"the model builds its attention mask from a padding mask {tuple(mask.shape)}, which the piecewise "
+            f"attention (causal, over unpadded tokens) cannot apply: call the model through "
+            f"piecewise.integrations.transformers.TokenModel, which passes none. Models that make a mask of ones "
+            f"themselves (OPT, BioGPT) are not supported"
         )
     return None  # the attention op is causal by itself
 
@@ -194,7 +212,7 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, _no_mask)
     model.config._attn_implementation = NAME
-    _route_attention_kwargs(model)
+    _share_call_arguments(model)
     if experts is None:
         stacked = [m.gate_up_proj for m in model.modules()
                    if _is_experts(m) and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)]
@@ -229,30 +247,17 @@ def _check_attention_modules(model: nn.Module) -> None:
             )
 
 
-_ROUTED = ("piecewise_kv_cache", "piecewise_slots")
-
-
-def _route_attention_kwargs(model: nn.Module) -> None:
-    """Hand ``TokenModel``'s cache and slots to every attention module, also where a decoder layer calls its
-    attention without passing its keyword arguments on (StableLM, GPT-NeoX: the attention would otherwise run
-    without the cache and attend to the call's own tokens only). A pre-hook on the layer keeps them, one on the
-    attention module adds what its call lacks. Installed once per attention module."""
-    for parent, child in _attention_modules(model):
-        if getattr(child, "_piecewise_routed", False):
-            continue
-        routed: dict[str, Any] = {}
-
-        def keep(module, args, kwargs, routed=routed):
-            routed.clear()
-            routed.update({key: kwargs[key] for key in _ROUTED if key in kwargs})
-
-        def add(module, args, kwargs, routed=routed):
-            missing = {key: value for key, value in routed.items() if key not in kwargs}
-            return (args, {**kwargs, **missing}) if missing else None
-
-        parent.register_forward_pre_hook(keep, with_kwargs=True)
-        child.register_forward_pre_hook(add, with_kwargs=True)
-        child._piecewise_routed = True
+def _share_call_arguments(model: nn.Module) -> None:
+    """One dict per model, seen by every attention module: ``TokenModel.forward`` puts the call's cache, slots and
+    positions in it for the length of the model call. The attention reads them from there, so they arrive even
+    where a decoder layer or an attention module does not pass its keyword arguments on (StableLM and GPT-NeoX
+    layers drop them: the attention would run without the cache and attend to the call's own tokens only;
+    GPTBigCode and Persimmon pass no ``position_ids`` to the attention)."""
+    shared = getattr(model, "_piecewise_call", None)
+    if shared is None:
+        shared = model._piecewise_call = {}
+    for _, child in _attention_modules(model):
+        child._piecewise_call = shared
 
 
 def _use_piecewise_experts(model: nn.Module) -> None:
@@ -330,12 +335,20 @@ class TokenModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None) -> torch.Tensor:
-        extra = {} if kv_cache is None else {"piecewise_kv_cache": kv_cache}
+        extra = {} if kv_cache is None else {"piecewise_kv_cache": kv_cache, "piecewise_positions": position_ids}
         if slots is not None:
             if kv_cache is None or kv_cache.dim() != 6:
                 raise ValueError("slots need a multi-sequence kv_cache: make_kv_cache(max_seq_len, sequences=N)")
             extra["piecewise_slots"] = slots
-        out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **extra)
+        call = getattr(self.model, "_piecewise_call", None)  # set by enable(): read by every attention module
+        if call is not None:
+            call.clear()
+            call.update(extra)
+        try:
+            out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **extra)
+        finally:
+            if call is not None:
+                call.clear()
         return out.logits[0]
 
     def make_kv_cache(self, max_seq_len: int, sequences: int | None = None, device=None, dtype=None) -> torch.Tensor:
