@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "Qwen2": ("Qwen2Config", {}),
     "Qwen3": ("Qwen3Config", {}),
     "Phi3": ("Phi3Config", {}),
+    "Glm4": ("Glm4Config", {}),  # like Phi-3, a dense MLP whose layers are named gate_up_proj / down_proj
     "Gemma3Text": ("Gemma3TextConfig", dict(sliding_window=4)),
     "Olmo2": ("Olmo2Config", {}),
     # decoder layers that call their attention without passing keyword arguments on (the cache is routed)
@@ -114,6 +115,30 @@ def test_sequences_decoding_together_through_slots_equal_transformers(name):
     for logits, reference in zip(got, expected):
         torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=1e-4)
     assert runner.stats["traces"] == 1
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_nvfp4_weights_under_piecewise_equal_the_same_model_eager(name):
+    """``quantize`` (NVFP4 linear layers and stacked experts, the CPU reference) on a bf16 model: piecewise's
+    prefill and decode steps give exactly what the quantized model gives eagerly. (Phi-3's and GLM-4's dense
+    MLPs, whose layers are named like stacked experts, were mistaken for experts: AttributeError.)"""
+    from piecewise.integrations.transformers import quantize
+
+    model = build(name).to(torch.bfloat16)
+    token_model = TokenModel(enable(model))
+    converted = quantize(model)
+    linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    assert converted and linears == ["lm_head"], linears  # every linear layer but the head is NVFP4
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    logits = {}
+    for key, call in (("eager", token_model), ("piecewise", runner)):
+        cache = token_model.make_kv_cache(max_seq_len=32)
+        with torch.no_grad():
+            steps = [call(ids[:5], torch.arange(5), cache)]
+            steps += [call(ids[p : p + 1], torch.tensor([p]), cache) for p in range(5, 9)]
+        logits[key] = torch.cat(steps)
+    assert torch.equal(logits["piecewise"], logits["eager"])
 
 
 @pytest.mark.parametrize("name,config_class,extra", [

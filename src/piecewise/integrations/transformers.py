@@ -166,8 +166,10 @@ def _dense_experts(self, hidden_states, top_k_index, top_k_weights):
 
 
 def _is_experts(module: nn.Module) -> bool:
-    """A stacked-experts module (transformers' experts interface: ``gate_up_proj`` [E, 2I, H], ``down_proj``)."""
-    return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")
+    """A stacked-experts module (transformers' experts interface: ``gate_up_proj`` [E, 2I, H], ``down_proj``
+    [E, H, I] tensors). Dense MLPs with layers of those names (Phi-3, GLM-4: ``nn.Linear``) are not."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and isinstance(down, torch.Tensor)
 
 
 def _no_mask(*args, **kwargs):
@@ -215,7 +217,7 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     _share_call_arguments(model)
     if experts is None:
         stacked = [m.gate_up_proj for m in model.modules()
-                   if _is_experts(m) and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)]
+                   if _is_experts(m)]
         experts = getattr(model.config, "_experts_implementation", None) != "grouped_mm" or any(
             w.is_cuda and w.dtype != torch.bfloat16 for w in stacked)
     if experts:
