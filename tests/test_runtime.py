@@ -486,6 +486,50 @@ def test_cache_writes_in_traced_code_run_on_the_real_rows():
     assert runner.stats["eager_writes"] == 2 and runner.stats["pieces"] == 3
 
 
+def test_a_batch_first_model_with_its_cache_in_buffers_runs_with_tokens_first():
+    """gpt-fast style: [1, T] inside, KV caches in buffers written at ``input_pos`` with the tokens in dimension 2
+    of the written values. Called with the tokens first, the cache writes are cut out of the pieces and run on
+    the real tokens, cut along that dimension (they failed with a shape mismatch when padded before)."""
+    from fixtures.state_models import BatchFirstCache, TokensFirst
+
+    torch.manual_seed(0)
+    model = BatchFirstCache().eval()
+    ids = torch.randint(0, 100, (11,))
+
+    def generate(call):
+        for layer in model.layers:
+            layer.k.zero_()
+            layer.v.zero_()
+        with torch.no_grad():
+            steps = [call(ids[:6], torch.arange(6)), call(ids[6:9], torch.arange(6, 9))]  # padded to 8 and 4
+            steps += [call(ids[p : p + 1], torch.tensor([p])) for p in range(9, 11)]
+        return torch.cat(steps), [layer.k.clone() for layer in model.layers]
+
+    wrapped = TokensFirst(model)
+    expected, expected_cache = generate(wrapped)
+    runner = piecewise.compile(wrapped, piecewise.CaptureConfig(max_tokens=8))
+    got, cache = generate(runner)
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(cache, expected_cache):
+        torch.testing.assert_close(a, b)
+    assert runner.stats["eager_writes"] == 4 and runner.stats["padded_calls"] >= 2 and runner.stats["traces"] == 1
+
+
+def test_a_batch_first_call_is_refused_with_the_token_dimension_named():
+    """Called as [1, T], piecewise sees 1 token and ``input_pos`` (T rows) as static; the next call's error says
+    why."""
+    from fixtures.state_models import BatchFirstCache
+
+    model = BatchFirstCache().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    ids = torch.randint(0, 100, (1, 7))
+    with torch.no_grad():
+        runner(ids[:, :6], torch.arange(6))
+        with pytest.raises(ValueError, match=r"At the first call 'input_pos' had 6 rows and 'idx' shape \(1, 6\): "
+                                             r"piecewise takes dimension 0 as the token dimension"):
+            runner(ids[:, 6:], torch.tensor([6]))
+
+
 @pytest.mark.parametrize("update", ["+=", "add_", "index_put_accumulate"])
 def test_state_updated_from_its_own_value_is_refused(update):
     from fixtures.state_models import StepCounter

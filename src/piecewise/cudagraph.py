@@ -68,6 +68,13 @@ def is_token_tensor(fake: Any) -> bool:
     return isinstance(fake, torch.Tensor) and fake.dim() > 0 and _compat.is_plain_symbol(fake.shape[0])
 
 
+def token_dim(fake: Any) -> int | None:
+    """The first dimension of ``fake`` that is the token count (None: not a token tensor)."""
+    if not isinstance(fake, torch.Tensor):
+        return None
+    return next((d for d, size in enumerate(fake.shape) if _compat.is_plain_symbol(size)), None)
+
+
 def _placeholder_values(module: torch.fx.GraphModule) -> list[Any]:
     return [node.meta.get("example_value") for node in module.graph.nodes if node.op == "placeholder"]
 
@@ -220,12 +227,17 @@ class RowBuffer:
 class SplitOpRunner:
     """One splitting op: runs eagerly on the real rows, writes into static buffers the next piece reads."""
 
-    def __init__(self, name: str, module: torch.fx.GraphModule, op_name: str, state: CaptureState):
+    def __init__(self, name: str, module: torch.fx.GraphModule, op_name: str, state: CaptureState,
+                 any_dim: bool = False):
         self.name = name
         self.module = module
         self.op_name = op_name
         self.state = state
-        self.token_inputs = [is_token_tensor(v) for v in _placeholder_values(module)]
+        # Splitting ops take tokens in dimension 0. An in-place write cut out of the pieces (any_dim) may take
+        # them in another (a [batch, heads, tokens, dim] cache write): its inputs are cut along that dimension.
+        values = _placeholder_values(module)
+        self.token_dims = [token_dim(v) if any_dim else (0 if is_token_tensor(v) else None) for v in values]
+        self.token_inputs = [d is not None for d in self.token_dims]
         outputs = _output_values(module)
         self.single_output = not isinstance(outputs, (tuple, list))
         flat = [outputs] if self.single_output else list(outputs)
@@ -294,7 +306,8 @@ class SplitOpRunner:
         cached = self.sliced.get((size, rows))
         if cached is not None and all(map(operator.is_, cached[0], args)):
             return cached[1]
-        call_args = [a[:rows] if token else a for a, token in zip(args, self.token_inputs)]
+        call_args = [a if d is None else a[:rows] if d == 0 else a.narrow(d, 0, rows)
+                     for a, d in zip(args, self.token_dims)]
         if keep:
             self.sliced[(size, rows)] = (args, call_args)
         return call_args
@@ -348,7 +361,8 @@ class GraphRunner:
         self.splitting_ops: list[SplitOpRunner] = []
         for partition in partitions:
             if partition.splitting_op is not None:
-                runner = SplitOpRunner(partition.name, partition.module, partition.splitting_op, state)
+                runner = SplitOpRunner(partition.name, partition.module, partition.splitting_op, state,
+                                       any_dim=partition.splitting_op not in splitting_ops)
                 self.splitting_ops.append(runner)
             else:
                 compiled = compiler.compile(partition.module, _placeholder_values(partition.module))

@@ -275,7 +275,23 @@ class PiecewiseModel:
                     f"piecewise: static argument {name!r} is not the tensor seen at capture (its storage moved). "
                     f"Captured graphs read static arguments in place: write new contents into the same tensor "
                     f"({name}.copy_(new)), mark it as a token argument with dynamic={{...}}, or compile again"
+                    + self._batch_first_hint(name)
                 )
+
+    def _batch_first_hint(self, name: str) -> str:
+        """For a static argument that had one row per entry of dimension 1 of a token argument shaped [1, n] at the
+        first call: the usual cause is a batch-first call (gpt-fast, transformers' [batch, seq] inputs)."""
+        shapes = getattr(self, "_first_shapes", {})
+        static = shapes.get(name, ())
+        for token_name in self._dynamic:
+            tokens = shapes.get(token_name, ())
+            if len(tokens) >= 2 and tokens[0] == 1 and static and static[0] == tokens[1] != 1:
+                return (
+                    f". At the first call {name!r} had {static[0]} rows and {token_name!r} shape {tokens}: piecewise "
+                    f"takes dimension 0 as the token dimension, so that call had 1 token. If {token_name!r} is "
+                    f"[batch, tokens], pass the tokens in dimension 0 and compile again"
+                )
+        return ""
 
     # --- the call -------------------------------------------------------------------------------------
 
@@ -397,6 +413,7 @@ class PiecewiseModel:
         for name, value in arguments.items():
             if isinstance(value, torch.Tensor) and name not in self._dynamic:
                 self._static_ptrs[name] = value.data_ptr()
+        self._first_shapes = {n: tuple(v.shape) for n, v in arguments.items() if isinstance(v, torch.Tensor)}
         self.state.stable_ptrs.update(t.data_ptr() for t in model_tensors)
         self.state.stable_ptrs.update(self._static_ptrs.values())
         self._first_signature = self._signature(arguments)
