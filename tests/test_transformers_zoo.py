@@ -89,13 +89,12 @@ def test_prefill_then_decode_equals_transformers(name):
         assert stats["capture_sizes"][0] == 2
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_sequences_decoding_together_through_slots_equal_transformers(name):
+def decode_through_slots(name: str, device: str = "cpu"):
     """Three prompts prefilled one by one into their slots, then decoded together (one token of each per call,
-    the shorter ones dropping out): every sequence's logits equal transformers' forward over it alone."""
-    model = build(name)
+    the shorter ones dropping out): ([piecewise logits per sequence], [transformers' logits per sequence], runner)."""
+    model = build(name).to(device)
     generator = torch.Generator().manual_seed(2)
-    sequences = [torch.randint(0, 256, (n,), generator=generator) for n in (7, 4, 9)]
+    sequences = [torch.randint(0, 256, (n,), generator=generator).to(device) for n in (7, 4, 9)]
     with torch.no_grad():
         expected = [model(input_ids=s[None], use_cache=False).logits[0] for s in sequences]
     token_model = TokenModel(enable(model))
@@ -103,17 +102,27 @@ def test_sequences_decoding_together_through_slots_equal_transformers(name):
     cache = token_model.make_kv_cache(max_seq_len=32, sequences=3)
     positions = [3, 2, 5]
     got = [[] for _ in sequences]
+
+    def index(values):
+        return torch.tensor(values, device=device)
+
     with torch.no_grad():
         for slot, (sequence, prompt) in enumerate(zip(sequences, positions)):
-            got[slot].append(runner(sequence[:prompt], torch.arange(prompt), cache, torch.full((prompt,), slot)))
+            got[slot].append(runner(sequence[:prompt], index(list(range(prompt))), cache, index([slot] * prompt)))
         while live := [slot for slot, s in enumerate(sequences) if positions[slot] < len(s)]:
             ids = torch.stack([sequences[slot][positions[slot]] for slot in live])
-            out = runner(ids, torch.tensor([positions[slot] for slot in live]), cache, torch.tensor(live))
+            out = runner(ids, index([positions[slot] for slot in live]), cache, index(live))
             for row, slot in enumerate(live):
                 got[slot].append(out[row : row + 1])
                 positions[slot] += 1
+    return [torch.cat(logits) for logits in got], expected, runner
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_sequences_decoding_together_through_slots_equal_transformers(name):
+    got, expected, runner = decode_through_slots(name)
     for logits, reference in zip(got, expected):
-        torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
     assert runner.stats["traces"] == 1
 
 
