@@ -139,6 +139,7 @@ class PiecewiseModel:
         self._input_buffers: dict[tuple, RowBuffer] = {}
         self._aliases: dict[tuple, torch.Tensor] = {}
         self._first_signature: dict[str, Any] | None = None
+        self._first_shapes: dict[str, tuple[int, ...]] = {}  # tensor arguments' shapes at the first call
         self._call_arguments: dict[str, Any] = {}
         self._traced_in_call = False
         self._last_arguments: dict[str, Any] | None = None
@@ -281,7 +282,7 @@ class PiecewiseModel:
     def _batch_first_hint(self, name: str) -> str:
         """For a static argument that had one row per entry of dimension 1 of a token argument shaped [1, n] at the
         first call: the usual cause is a batch-first call (gpt-fast, transformers' [batch, seq] inputs)."""
-        shapes = getattr(self, "_first_shapes", {})
+        shapes = self._first_shapes
         static = shapes.get(name, ())
         for token_name in self._dynamic:
             tokens = shapes.get(token_name, ())
@@ -490,7 +491,7 @@ class PiecewiseModel:
                     "token_mixing", chain,
                 )
 
-    def _mixing_hint(self) -> tuple[str, list[tuple[str, int, str]]]:
+    def _mixing_hint(self) -> tuple[str, list[traceback.FrameSummary]]:
         """Where the traced pieces may combine token rows (see ``split.token_mixing_nodes``): a sentence naming
         up to five ``file:line`` places, and the first one's call chain."""
         import linecache

@@ -114,7 +114,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if q.shape[-1] != value_dim:  # MLA (DeepSeek-V3): zero columns up to one width leave q·k unchanged
         width = max(q.shape[-1], value_dim)
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-    call = {**getattr(module, "_piecewise_call", {}), **kwargs}  # TokenModel's call arguments, then the passed ones
+    call = {**getattr(module, "_piecewise_call", {}), **kwargs}  # TokenModel's call arguments (enable()'s dict)
     kv_cache = call.get("piecewise_kv_cache")
     if kv_cache is not None and tuple(kv_cache.shape[-2:]) != tuple(k.shape[1:]):
         raise ValueError(
@@ -216,8 +216,7 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     model.config._attn_implementation = NAME
     _share_call_arguments(model)
     if experts is None:
-        stacked = [m.gate_up_proj for m in model.modules()
-                   if _is_experts(m)]
+        stacked = [m.gate_up_proj for m in model.modules() if _is_experts(m)]
         experts = getattr(model.config, "_experts_implementation", None) != "grouped_mm" or any(
             w.is_cuda and w.dtype != torch.bfloat16 for w in stacked)
     if experts:
@@ -343,14 +342,14 @@ class TokenModel(nn.Module):
                 raise ValueError("slots need a multi-sequence kv_cache: make_kv_cache(max_seq_len, sequences=N)")
             extra["piecewise_slots"] = slots
         call = getattr(self.model, "_piecewise_call", None)  # set by enable(): read by every attention module
-        if call is not None:
-            call.clear()
-            call.update(extra)
+        if call is None:  # not enabled: nothing reads them
+            return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
+        call.clear()
+        call.update(extra)
         try:
-            out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **extra)
+            out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
         finally:
-            if call is not None:
-                call.clear()
+            call.clear()
         return out.logits[0]
 
     def make_kv_cache(self, max_seq_len: int, sequences: int | None = None, device=None, dtype=None) -> torch.Tensor:

@@ -94,14 +94,25 @@ def _operands(words, scale, xv, DECODE: gl.constexpr, IS_FP16: gl.constexpr, A_L
 
 
 @gluon.jit
-def _block_scales(scale_byte, IS_FP16: gl.constexpr):
-    """E4M3 bytes → the 16-bit factor that turns the decoded codes into ``e2m1 · s_b`` (f16) or ``e2m1 · s_b · 2^-8``
-    (bf16; the kernel multiplies its float32 result by 2^8). Exact: the shift makes ``s · 2^-8`` / ``s · 2^-120``
-    (E4M3 subnormals included), the multiplies by powers of two stay in range."""
+def _shifted_scales(scale_byte, IS_FP16: gl.constexpr):
+    """E4M3 bytes shifted into a 16-bit float's exponent and mantissa: exactly ``s · 2^-8`` (f16) / ``s · 2^-120``
+    (bf16), E4M3 subnormals included."""
     if IS_FP16:
-        scale = (scale_byte.to(gl.int16) << 7).to(gl.float16, bitcast=True) * 256.0
+        scale = (scale_byte.to(gl.int16) << 7).to(gl.float16, bitcast=True)
     else:
         scale = (scale_byte.to(gl.int16) << 4).to(gl.bfloat16, bitcast=True)
+    return scale
+
+
+@gluon.jit
+def _block_scales(scale_byte, IS_FP16: gl.constexpr):
+    """E4M3 bytes → the 16-bit factor that turns the decoded codes into ``e2m1 · s_b`` (f16) or ``e2m1 · s_b · 2^-8``
+    (bf16; the kernel multiplies its float32 result by 2^8). Exact: ``_shifted_scales``, then multiplies by
+    powers of two that stay in range."""
+    scale = _shifted_scales(scale_byte, IS_FP16)
+    if IS_FP16:
+        scale = scale * 256.0
+    else:
         scale = (scale * 1.7014118346046923e38) * 2.5961484292674138e33  # · 2^127 · 2^111 = s · 2^118
     return scale
 

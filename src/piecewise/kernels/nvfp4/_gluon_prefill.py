@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_kernel import _decoded_codes
+from ._gluon_kernel import _decoded_codes, _shifted_scales
 
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
@@ -61,14 +61,10 @@ def _decoded(words, DECODE: gl.constexpr, IS_FP16: gl.constexpr):
 @gluon.jit
 def _scaled(values, scale_byte, IS_FP16: gl.constexpr):
     """Decoded values [R, K] (``e2m1 · 2^120`` bf16 / ``e2m1 · 2^8`` f16) × block scales [R, K/16] (E4M3 bytes)
-    → ``e2m1 · s`` exactly: the byte shifted into a 16-bit float's exponent and mantissa is ``s · 2^-120`` /
-    ``s · 2^-8`` (E4M3 subnormals included)."""
+    → ``e2m1 · s`` exactly (``_shifted_scales``: ``s · 2^-120`` / ``s · 2^-8``)."""
     R: gl.constexpr = values.shape[0]
     K: gl.constexpr = values.shape[1]
-    if IS_FP16:
-        scale = (scale_byte.to(gl.int16) << 7).to(gl.float16, bitcast=True)
-    else:
-        scale = (scale_byte.to(gl.int16) << 4).to(gl.bfloat16, bitcast=True)
+    scale = _shifted_scales(scale_byte, IS_FP16)
     blocks = gl.reshape(values, [R, K // 16, 16])
     scale = gl.convert_layout(scale, gl.SliceLayout(2, blocks.type.layout))
     return gl.reshape(blocks * gl.expand_dims(scale, 2), [R, K])

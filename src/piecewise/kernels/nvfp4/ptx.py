@@ -18,13 +18,15 @@ def _decode_asm(out_dtype: str, k_order: bool = False) -> str:
     16-bit half; input ``$8``): registers hold the pairs (2j, 2j + 1), ready for a 16-byte store.
     """
     high = (_LUT_BF16_HIGH_0_3, _LUT_BF16_HIGH_4_7) if out_dtype == "bf16" else (_LUT_F16_HIGH_0_3, _LUT_F16_HIGH_4_7)
+    word = "$8" if k_order else "$4"
     lines = [
         "{",
-        ".reg .b32 sgn, sgn_lo, sgn_hi, mag, mag_hi, hi_lo, hi_hi, s_lo, s_hi, lo_lo, lo_hi;",
-        f"and.b32 sgn, $4, {_SIGN_BITS};",
+        ".reg .b32 sgn, sgn_lo, sgn_hi, mag, mag_hi, hi_lo, hi_hi, s_lo, s_hi, lo_lo, lo_hi"
+        + (", p0, p1, p2, p3;" if k_order else ";"),
+        f"and.b32 sgn, {word}, {_SIGN_BITS};",
         "shr.u32 sgn_lo, sgn, 3;",  # sign of codes 0..3 at bit 0 of their nibble
         "shr.u32 sgn_hi, sgn, 19;",  # codes 4..7
-        f"and.b32 mag, $4, {_MAGNITUDE_BITS};",
+        f"and.b32 mag, {word}, {_MAGNITUDE_BITS};",
         "shr.u32 mag_hi, mag, 16;",
         f"prmt.b32 hi_lo, {high[0]}, {high[1]}, mag;",
         f"prmt.b32 hi_hi, {high[0]}, {high[1]}, mag_hi;",
@@ -42,8 +44,6 @@ def _decode_asm(out_dtype: str, k_order: bool = False) -> str:
         lines += ["mov.b32 lo_lo, 0;", "mov.b32 lo_hi, 0;"]
     # Code i of the word sits in byte i of the (lo_*, hi_*) pairs; bytes 0, 2 are low nibbles, 1, 3 high ones.
     if k_order:
-        lines[0:2] = ["{", ".reg .b32 sgn, sgn_lo, sgn_hi, mag, mag_hi, hi_lo, hi_hi, s_lo, s_hi, lo_lo, lo_hi, p0, p1, p2, p3;"]
-        lines = [line.replace("$4", "$8") for line in lines]
         lines += [
             "prmt.b32 p0, lo_lo, hi_lo, 20800;",  # 0x5140: codes 0, 1
             "prmt.b32 p1, lo_lo, hi_lo, 29538;",  # 0x7362: codes 2, 3

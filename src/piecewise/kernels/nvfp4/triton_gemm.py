@@ -298,15 +298,19 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 _gluon_failure: dict[str, str] = {}
 """Gluon kernels turned off in this process ("decode", "wgmma", "prefill") and why."""
-_GLUON_TOKENS = {"decode": "1..16", "wgmma": "33..255", "prefill": f"fp16 calls of {PREFILL_FROM_ROWS}+"}
+_GLUON_FALLBACK = {
+    "decode": "1..16 tokens use the tl kernel",
+    "wgmma": "33..255 tokens use the tl kernel",
+    "prefill": f"calls of {PREFILL_FROM_ROWS}+ tokens use the tl kernel (fp16) or dequantize + cuBLAS (bf16)",
+}
 
 
 def _disable_gluon(kernel: str, exc: BaseException) -> None:
     """Gluon is experimental in Triton and its API moves between releases: a failure turns that kernel off."""
     _gluon_failure[kernel] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     logger.warning(
-        "NVFP4: the Gluon %s kernel failed on triton %s (%s); %s tokens use the tl kernel from now on",
-        kernel, triton.__version__, _gluon_failure[kernel], _GLUON_TOKENS[kernel],
+        "NVFP4: the Gluon %s kernel failed on triton %s (%s); %s from now on",
+        kernel, triton.__version__, _gluon_failure[kernel], _GLUON_FALLBACK[kernel],
     )
 
 
