@@ -18,7 +18,7 @@ decoded stores (``fence.proxy.async``, a full memory barrier in SASS) waits for 
 flight: with register prefetches it exposed their latency every iteration (measured: 72.7 → 65.4 µs at
 1024 × 4096 × 4096). The scale bytes (2 per thread per iteration) are loaded right after the fence.
 
-Measured on an H200 (``benchmarks/results/2026-11-30-h200-nvfp4-prefill.md``): 0.72-0.80× the speed of bf16
+Measured on an H200 (``benchmarks/results/2026-11-30-h200-nvfp4-prefill.md``): 0.66-0.79× the speed of bf16
 cuBLAS from 1024 to 4096 tokens, 1.2-2.7× that of the tl kernel for fp16. The same pipeline without the decoded
 stores matches cuBLAS, and the decode without the wgmma takes as long as the wgmma: they overlap only partly,
 most likely limited by shared-memory bandwidth (decoding in warps of their own gained 1-5%).
