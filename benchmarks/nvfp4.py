@@ -167,13 +167,14 @@ def bench_gemm(do_bench, bandwidth: float, l2_bytes: int, size: int, m_values, s
 
 def kernel_config(m: int, n: int, k: int) -> dict:
     """What ``w4a16_linear`` launches for bf16 x [m, k] and W [n, k], for the report."""
-    from piecewise.kernels.nvfp4.gluon_gemv import GemvConfig, WgmmaConfig
+    from piecewise.kernels.nvfp4.gluon_gemv import GemvConfig, PrefillConfig, WgmmaConfig
     from piecewise.kernels.nvfp4.triton_gemm import select_config
 
     config = select_config(m, n, k, torch.bfloat16, torch.cuda.current_device())
     if config is None:
         return {"path": "dequantize + cuBLAS"}
-    path = "gluon" if isinstance(config, GemvConfig) else "gluon wgmma" if isinstance(config, WgmmaConfig) else "tl"
+    path = ("gluon" if isinstance(config, GemvConfig) else "gluon wgmma" if isinstance(config, WgmmaConfig)
+            else "gluon prefill" if isinstance(config, PrefillConfig) else "tl")
     return {"path": path, **config.__dict__}
 
 
@@ -181,8 +182,11 @@ def config_text(c: dict) -> str:
     if c["path"] == "gluon":
         return f"gluon mma.sync, {c['warps_k']} warps on K, {16 * c['row_tiles']} rows/warp"
     if c["path"] == "gluon wgmma":
-        return f"gluon wgmma, {16 * c['warps']} rows x {c['block_m']} tokens, {128 * c['steps']} k/iteration"
-    if c["path"] == "tl" or "block_m" in c:
+        split = f", K split in {c['split_k']}" if c.get("split_k", 1) > 1 else ""
+        return f"gluon wgmma, {16 * c['warps']} rows x {c['block_m']} tokens, {128 * c['steps']} k/iteration{split}"
+    if c["path"] == "gluon prefill":
+        return f"gluon prefill, {c['block_m']} tokens x {c['block_n']} rows"
+    if c["path"] == "tl" or "block_k" in c:
         return f"tl {c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} split{c['split_k']}"
     return c["path"]
 

@@ -482,8 +482,9 @@ def compile_for_hopper(kernel_name: str, int_args: list[str], dtype: str, consta
     import triton
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    names = _KERNEL_ARGS + int_args
-    types = [f"*{dtype}", "*u8", "*u8", "*fp32", f"*{dtype}", f"*{dtype}"] + ["i32"] * (len(names) - 6)
+    extra = [(arg.split(":") + ["i32"])[:2] for arg in int_args]  # "name" (i32) or "name:type"
+    names = _KERNEL_ARGS + [name for name, _ in extra]
+    types = [f"*{dtype}", "*u8", "*u8", "*fp32", f"*{dtype}", f"*{dtype}"] + ["i32"] * 6 + [t for _, t in extra]
     constants = {"HAS_BIAS": True, "IS_FP16": dtype == "fp16",
                  "DECODE": DECODE_SHIFT_ASM["f16" if dtype == "fp16" else "bf16"]} | constants
     signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
@@ -509,18 +510,28 @@ def test_decode_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, row_til
     assert ptx.count("mma.sync.aligned.m16n8k16") > 0 and "ld.global.v4" in ptx
 
 
-@pytest.mark.parametrize("dtype,block_m,warps,steps", [("bf16", 32, 4, 2), ("fp16", 128, 8, 1)])
-def test_wgmma_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, warps, steps):
+@pytest.mark.parametrize("dtype,block_m,warps,steps,split", [("bf16", 32, 4, 2, False), ("fp16", 128, 8, 1, False),
+                                                             ("bf16", 64, 4, 1, True)])
+def test_wgmma_kernel_compiles_for_hopper_without_a_gpu(dtype, block_m, warps, steps, split):
     """The Gluon wgmma kernel builds for sm_90: the decoded weight is wgmma's register operand A (a layout that
-    is not a register renaming of the loaded words fails the compile)."""
+    is not a register renaming of the loaded words fails the compile). Split over K, the tile's programs meet at
+    one acq_rel counter, taken once per program (one thread), and the last one resets it."""
     pytest.importorskip("triton")
     from piecewise.kernels.nvfp4 import gluon_gemv
 
     if not gluon_gemv.WGMMA_AVAILABLE:
         pytest.skip("this Triton's Gluon has no Hopper wgmma")
-    ptx = compile_for_hopper("_wgmma_kernel", ["iterations"], dtype,
-                             {"BLOCK_M": block_m, "WARPS": warps, "STEPS": steps}, num_warps=warps)
+    ptx = compile_for_hopper("_wgmma_kernel", ["iterations", "partial_ptr:*fp32", "counter_ptr:*i32", "split_k"],
+                             dtype, {"BLOCK_M": block_m, "WARPS": warps, "STEPS": steps, "SPLIT": split},
+                             num_warps=warps)
     assert ptx.count("wgmma.mma_async") > 0 and "ld.global.v4" in ptx
+    atomics = [line.strip() for line in ptx.splitlines() if line.strip().startswith(("atom.", "@"))
+               and "atom." in line]
+    if split:
+        assert len(atomics) == 2 and ".gpu.acq_rel.add" in atomics[0] and ".exch" in atomics[1], atomics
+        assert all(line.startswith("@") for line in atomics), atomics  # predicated: one thread per program
+    else:
+        assert not atomics
 
 
 @pytest.mark.parametrize("dtype,block_m,block_n", [("bf16", 256, 128), ("fp16", 128, 64)])
@@ -580,8 +591,7 @@ def test_kernel_choice_by_token_count_gpu_and_gluon_failures(monkeypatch):
         return triton_gemm.select_config(rows, 4096, k, dtype, 0)
 
     assert isinstance(pick(1), GemvConfig) and isinstance(pick(16), GemvConfig)
-    assert isinstance(pick(17), GemmConfig) and isinstance(pick(32), GemmConfig)
-    assert isinstance(pick(33), WgmmaConfig) and isinstance(pick(255), WgmmaConfig)
+    assert isinstance(pick(17), WgmmaConfig) and isinstance(pick(255), WgmmaConfig)
     assert isinstance(pick(100, torch.float16), WgmmaConfig)
     assert pick(256) is None and pick(4096) is None  # bf16 prefill: dequantize + cuBLAS
     # fp16 prefill: the prefill kernel, 128 tokens per program while 256 would leave half the SMs idle.
@@ -669,20 +679,45 @@ def test_gluon_launches_bind_every_kernel_parameter(monkeypatch, kernel):
         bound = dict(zip(names, args)) | kwargs
         assert bound["iterations"] == 3 and bound["total_iterations"] == 11 and not bound["EVEN"]
     else:
-        assert grid == (n // 64 + 1, 2) and bound["iterations"] == k // 256 and bound["BLOCK_M"] == 32
+        assert grid == (n // 64 + 1, 2, 1) and bound["iterations"] == k // 256 and bound["BLOCK_M"] == 32
+        assert bound["split_k"] == 1 and not bound["SPLIT"]
+        # Split over K in 2: each program takes half the iterations; a float32 partial tile per program.
+        counters = torch.zeros(1024, dtype=torch.int32)
+        monkeypatch.setattr(gluon_gemv, "split_counters", lambda device, tiles: counters[:tiles])
+        launches.clear()
+        gluon_gemv.w4a16_wgmma(x, weight, scales, decode, bias, out, gluon_gemv.WgmmaConfig(32, 4, 2, split_k=2))
+        (grid, args, kwargs), = launches
+        bound = dict(zip(names, args)) | kwargs
+        assert grid == (n // 64 + 1, 2, 2) and bound["iterations"] == k // 512 and bound["SPLIT"]
+        assert bound["split_k"] == 2 and bound["partial_ptr"].shape == (grid[0] * 2, 2, 64, 32)
+        assert bound["counter_ptr"].data_ptr() == counters.data_ptr()
+        launches.clear()  # 8 iterations in 8 programs: one each
+        gluon_gemv.w4a16_wgmma(x, weight, scales, decode, bias, out, gluon_gemv.WgmmaConfig(32, 4, 1, split_k=8))
+        (grid, args, kwargs), = launches
+        assert grid[2] == 8 and dict(zip(names, args))["iterations"] == 1
 
 
 def test_wgmma_kernel_config_rules():
     pytest.importorskip("triton")
     from piecewise.kernels.nvfp4.gluon_gemv import WgmmaConfig, pick_wgmma_config
 
-    for rows in (1, 16, 32, 256, 4096):
+    for rows in (1, 16, 256, 4096):
         assert pick_wgmma_config(rows, 4096, 4096, sms=132) is None  # other kernels' token counts
+    # up to 32 tokens the split aims at one program per SM: 64 programs of 8192 rows split in 4, not 2
+    assert pick_wgmma_config(17, 8192, 8192, sms=132) == WgmmaConfig(64, 8, 1, split_k=4)
     assert pick_wgmma_config(64, 4096, 1040, sms=132) is None  # K not a multiple of 128: the tl kernel runs
-    assert pick_wgmma_config(64, 4096, 4096, sms=132) == WgmmaConfig(32, 4, 2)
-    assert pick_wgmma_config(200, 4096, 4096, sms=132) == WgmmaConfig(64, 8, 1)
-    assert pick_wgmma_config(100, 8192, 8192, sms=132) == WgmmaConfig(64, 8, 1)
-    assert pick_wgmma_config(200, 8192, 8192, sms=132) == WgmmaConfig(128, 8, 1)
-    assert pick_wgmma_config(40, 4096, 384, sms=132).steps == 1  # 3 steps of K do not split in twos
+    # 32 programs of 128 rows × 64 tokens: K split in 4 (half the SMs is 66 programs; at most 4 splits)
+    assert pick_wgmma_config(64, 4096, 4096, sms=132) == WgmmaConfig(64, 8, 1, split_k=4)
+    assert pick_wgmma_config(100, 4096, 4096, sms=132) == WgmmaConfig(64, 8, 1, split_k=2)  # 64 programs
+    assert pick_wgmma_config(200, 4096, 4096, sms=132) == WgmmaConfig(128, 8, 1, split_k=2)
+    assert pick_wgmma_config(40, 8192, 8192, sms=132) == WgmmaConfig(64, 8, 1, split_k=2)
+    assert pick_wgmma_config(100, 8192, 8192, sms=132) == WgmmaConfig(64, 8, 1)  # 128 programs: no split
+    assert pick_wgmma_config(200, 28672, 4096, sms=132) == WgmmaConfig(128, 8, 1)
+    assert pick_wgmma_config(64, 2048, 5632, sms=132).split_k == 4  # 44 iterations: 11 per split
+    assert pick_wgmma_config(64, 2048, 1408, sms=132).split_k == 1  # 11 iterations do not split in twos
+    assert pick_wgmma_config(64, 2048, 512, sms=132).split_k == 2  # 4 iterations: at least 2 per split
+    assert pick_wgmma_config(64, 4096, 4096, sms=264).split_k == 4 and pick_wgmma_config(64, 4096, 4096, sms=60).split_k == 1
     with pytest.raises(ValueError, match="block_m must be"):
         WgmmaConfig(48, 4)
+    with pytest.raises(ValueError, match="split_k 1, 2, 4 or 8"):
+        WgmmaConfig(64, 8, 1, split_k=3)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,16 +126,17 @@ class PieceRunner:
             output = self.compiled(*args)
         except Exception as exc:
             try:
-                graph.capture_end()
+                _end_capture(graph)
             except Exception:
                 pass
             torch.cuda.synchronize()
             raise self._explain_failure(exc, args) from exc
-        graph.capture_end()
-        graph.replay()  # give the outputs real values: the splitting op after this piece reads them
-        self.graphs[size] = graph
-        self.outputs[size] = output
-        self.state.captured_this_size.append(self)
+        if _end_capture(graph):
+            graph.replay()  # give the outputs real values: the splitting op after this piece reads them
+            self.graphs[size] = graph
+            self.outputs[size] = output
+            self.state.captured_this_size.append(self)
+        # else: the piece launched no kernel (views only); it keeps running eagerly, which costs no launch
         return output
 
     def release_outputs(self, size: int) -> None:
@@ -155,6 +157,24 @@ class PieceRunner:
             f"the code a splitting op with piecewise.opaque_op(..., split=True) so it runs eagerly.",
             node,
         )
+
+
+_EMPTY_GRAPH = "The CUDA Graph is empty"
+
+
+def _end_capture(graph: torch.cuda.CUDAGraph) -> bool:
+    """End ``graph``'s capture; False when it recorded nothing. torch's warning about an empty graph is kept
+    from the user (an empty piece is expected: one made of views only); any other warning is passed on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph.capture_end()
+    empty = False
+    for warning in caught:
+        if str(warning.message).startswith(_EMPTY_GRAPH):
+            empty = True
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return not empty
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -192,7 +212,7 @@ def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple, pool: An
                 else:
                     env[node] = target(*node_args, **node_kwargs)
             finally:
-                trial.capture_end()
+                _end_capture(trial)
         except Exception:
             torch.cuda.synchronize()
             return node

@@ -183,7 +183,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 
 @pytest.mark.skipif(not (WGMMA_AVAILABLE and HOPPER), reason="the wgmma kernel needs Gluon and sm_90")
-@pytest.mark.parametrize("rows", [33, 64, 100, 255])
+@pytest.mark.parametrize("rows", [17, 33, 64, 100, 255])
 @pytest.mark.parametrize(
     "out_features,in_features,config",
     [
@@ -194,6 +194,11 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
         (64, 128, WgmmaConfig(128, 4, 1)),  # one iteration, one program of rows
         (256, 1024, WgmmaConfig(16, 8, 2)),
         (384, 11008, None),  # K = 86 steps of 128
+        # split over K: the last program of a tile adds the float32 partials
+        (1000, 2048, WgmmaConfig(64, 8, 1, split_k=4)),  # 4 iterations each; N not a multiple of 128
+        (256, 1024, WgmmaConfig(32, 4, 2, split_k=4)),  # one iteration per split
+        (520, 384, WgmmaConfig(32, 4, 1, split_k=2)),  # 3 iterations do not split: one program
+        (384, 11008, WgmmaConfig(32, 4, 1, split_k=8)),  # 86 iterations: split in two
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -208,8 +213,7 @@ def test_gluon_wgmma_kernel_matches_dequantize_then_matmul(rows, out_features, i
 def test_each_token_count_gets_its_kernel():
     device = torch.cuda.current_device()
     assert isinstance(select_config(16, 4096, 4096, torch.bfloat16, device), GemvConfig)
-    assert isinstance(select_config(32, 4096, 4096, torch.bfloat16, device), GemmConfig)
-    for rows in (33, 128, 255):
+    for rows in (17, 32, 128, 255):
         assert isinstance(select_config(rows, 4096, 4096, torch.bfloat16, device), WgmmaConfig)
     assert select_config(256, 4096, 4096, torch.bfloat16, device) is None  # dequantize + cuBLAS
     fp16_prefill = select_config(256, 4096, 4096, torch.float16, device)
@@ -319,12 +323,8 @@ def test_gemm_with_subnormal_block_scales(rows, dtype):
     assert rel_error(out[:, 256:], expected[:, 256:]) <= 1e-2
 
 
-def test_split_k_is_deterministic_across_calls_and_streams():
-    packed, scales, decode = random_weight(4096, 4096, seed=11)
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    config = pick_config(1, 4096, 4096, sm_count(torch.cuda.current_device()))
-    assert config.split_k > 1
-    first = w4a16_linear(x, packed, scales, decode, config=config)
+def assert_same_on_two_streams(call, expected):
+    """``call()`` 10 times on each of two streams, interleaved: every result equals ``expected`` bit for bit."""
     streams = [torch.cuda.Stream() for _ in range(2)]
     results = []
     for stream in streams:
@@ -332,9 +332,41 @@ def test_split_k_is_deterministic_across_calls_and_streams():
     for _ in range(10):
         for stream in streams:
             with torch.cuda.stream(stream):
-                results.append(w4a16_linear(x, packed, scales, decode, config=config))
+                results.append(call())
     torch.cuda.synchronize()
-    assert all(torch.equal(r, first) for r in results)
+    assert all(torch.equal(r, expected) for r in results)
+
+
+def test_split_k_is_deterministic_across_calls_and_streams():
+    packed, scales, decode = random_weight(4096, 4096, seed=11)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    config = pick_config(1, 4096, 4096, sm_count(torch.cuda.current_device()))
+    assert config.split_k > 1
+    first = w4a16_linear(x, packed, scales, decode, config=config)
+    assert_same_on_two_streams(lambda: w4a16_linear(x, packed, scales, decode, config=config), first)
+
+
+@pytest.mark.skipif(not (WGMMA_AVAILABLE and HOPPER), reason="the wgmma kernel needs Gluon and sm_90")
+def test_split_wgmma_kernel_is_deterministic_and_replays_in_a_cuda_graph():
+    """Split over K, every call gives the same bits (the partials are added in split order), on two streams
+    and in a captured graph replayed with new activations; the counters are back at zero after each call."""
+    from piecewise.kernels.nvfp4 import splitk
+
+    packed, scales, decode = random_weight(2048, 4096, seed=12)
+    config = WgmmaConfig(32, 4, 2, split_k=8)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    first = w4a16_linear(x, packed, scales, decode, config=config)
+    assert rel_error(first, w4a16_linear(x, packed, scales, decode, config=GemmConfig(64, 64, 128, 4, 3))) <= 1e-2
+    assert_same_on_two_streams(lambda: w4a16_linear(x, packed, scales, decode, config=config), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = w4a16_linear(x, packed, scales, decode, config=config)
+    x.copy_(torch.randn_like(x))
+    for _ in range(3):
+        graph.replay()
+    assert torch.equal(captured, w4a16_linear(x, packed, scales, decode, config=config))
+    torch.cuda.synchronize()
+    assert all(int(counters.count_nonzero()) == 0 for counters in splitk._counters.values())
 
 
 def test_nvfp4_linear_from_linear_on_cuda_matches_cpu():

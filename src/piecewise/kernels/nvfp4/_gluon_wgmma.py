@@ -1,4 +1,4 @@
-"""Gluon W4A16 kernel for 33..255 tokens on Hopper: the decoded weight as wgmma's register operand.
+"""Gluon W4A16 kernel for 17..255 tokens on Hopper: the decoded weight as wgmma's register operand.
 
 ``out.T = W · x.T`` per program: 16·``WARPS`` weight rows (one 16-row slice per warp, so one or two
 warpgroups) × ``BLOCK_M`` tokens, 128·``STEPS`` codes of K per iteration. The weight words are loaded
@@ -81,11 +81,14 @@ def _slot_order(xv):
 def _wgmma_kernel(
     x_ptr, weight_ptr, scales_ptr, decode_scale_ptr, bias_ptr, out_ptr,
     rows, out_features, row_bytes, row_groups, stride_x_row, stride_out_row, iterations,
+    partial_ptr, counter_ptr, split_k,
     HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, DECODE: gl.constexpr, BLOCK_M: gl.constexpr,
-    WARPS: gl.constexpr, STEPS: gl.constexpr,
+    WARPS: gl.constexpr, STEPS: gl.constexpr, SPLIT: gl.constexpr,
 ):
     # out.T [R, BM] += W [R, 128·S] · x.T [128·S, BM] per iteration. Rows past N read row N-1, tokens past M
-    # are zeros; neither is stored.
+    # are zeros; neither is stored. With SPLIT, program_id(2) takes iterations split·iterations ..
+    # (split + 1)·iterations - 1 of K, stores its float32 tile in ``partial_ptr``, and the last of the tile's
+    # ``split_k`` programs to arrive (an acq_rel counter) adds the tiles in split order (deterministic) and stores.
     R: gl.constexpr = 16 * WARPS
     BK: gl.constexpr = 128 * STEPS
     P_LAYOUT: gl.constexpr = _row_words_layout(WARPS, STEPS)
@@ -110,6 +113,11 @@ def _wgmma_kernel(
     xk = gl.arange(0, BK, layout=gl.SliceLayout(0, X_LAYOUT))
     x_ptrs = x_ptr + xm[:, None] * stride_x_row + xk[None, :]
     x_mask = (xm < rows)[:, None] & (xk < BK)[None, :]
+    if SPLIT:
+        first = gl.program_id(2) * iterations
+        weight_ptrs += first * (16 * STEPS)
+        scale_ptrs += first * (8 * STEPS)
+        x_ptrs += first * BK
 
     x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, BK], X_SMEM)
     # Software pipeline: while the wgmma of iteration i runs (asynchronously, its operand A in registers),
@@ -146,7 +154,32 @@ def _wgmma_kernel(
         fence_async_shared()
         a_prev = a
     acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=[token, a_prev])
+    if SPLIT:
+        tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        tile_partials = partial_ptr + tile * (split_k * R * BLOCK_M)
+        local = gl.arange(0, R, layout=gl.SliceLayout(1, MMA))[:, None] * BLOCK_M + gl.arange(
+            0, BLOCK_M, layout=gl.SliceLayout(0, MMA))[None, :]
+        gl.store(tile_partials + gl.program_id(2) * (R * BLOCK_M) + local, acc)
+        _cta_barrier()  # every thread's partial is written before the release below
+        arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            acc = gl.zeros([R, BLOCK_M], gl.float32, layout=MMA)
+            for other in range(split_k):
+                acc += gl.load(tile_partials + other * (R * BLOCK_M) + local, cache_modifier=".cg")
+            gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+            _store_tile(acc, row0, m0, rows, out_features, decode_scale_ptr, bias_ptr, out_ptr, stride_out_row,
+                        HAS_BIAS, IS_FP16, MMA)
+    else:
+        _store_tile(acc, row0, m0, rows, out_features, decode_scale_ptr, bias_ptr, out_ptr, stride_out_row,
+                    HAS_BIAS, IS_FP16, MMA)
 
+
+@gluon.jit
+def _store_tile(acc, row0, m0, rows, out_features, decode_scale_ptr, bias_ptr, out_ptr, stride_out_row,
+                HAS_BIAS: gl.constexpr, IS_FP16: gl.constexpr, MMA: gl.constexpr):
+    """out[m0 + j, row0 + i] = acc[i, j] · decode scale (+ bias), for the real rows and tokens."""
+    R: gl.constexpr = acc.shape[0]
+    BLOCK_M: gl.constexpr = acc.shape[1]
     scale = gl.load(decode_scale_ptr)
     if not IS_FP16:
         scale = scale * 256.0  # the bf16 operands carry 2^-8 (_block_scales)

@@ -1,4 +1,4 @@
-"""Host side of the three Gluon W4A16 kernels: decode (1..16 tokens, below), wgmma (33..255 tokens on Hopper,
+"""Host side of the three Gluon W4A16 kernels: decode (1..16 tokens, below), wgmma (17..255 tokens on Hopper,
 ``_gluon_wgmma``: it reuses this kernel's weight loads and decode) and prefill (from 256 tokens on Hopper,
 ``_gluon_prefill``: the weight decoded into shared memory), the last two at the end of this module.
 
@@ -50,6 +50,7 @@ import torch
 import triton
 
 from .ptx import DECODE_K_ORDER_ASM, DECODE_SHIFT_ASM
+from .splitk import split_counters
 
 try:
     from ._gluon_kernel import _gemv_kernel
@@ -61,7 +62,7 @@ try:
     from ._gluon_wgmma import _wgmma_kernel
 
     WGMMA_AVAILABLE = AVAILABLE
-except Exception:  # noqa: BLE001 - as above: the tl kernel runs for 33..255 tokens
+except Exception:  # noqa: BLE001 - as above: the tl kernel runs for 17..255 tokens
     WGMMA_AVAILABLE = False
 try:
     from triton.experimental.gluon import language as _gl
@@ -171,9 +172,9 @@ def w4a16_gemv(
     return out
 
 
-# --- 33..255 tokens: the wgmma kernel (``_gluon_wgmma``) -------------------------------------------------------
+# --- 17..255 tokens: the wgmma kernel (``_gluon_wgmma``) -------------------------------------------------------
 
-WGMMA_ROWS = (33, 255)
+WGMMA_ROWS = (17, 255)
 """Token counts that use the wgmma kernel (below: the decode kernel or the tl kernel; above, bf16: cuBLAS)."""
 
 
@@ -185,33 +186,47 @@ class WgmmaConfig:
     """4 or 8: one 16-row slice of the weight per warp, so 64 or 128 weight rows per program."""
     steps: int = 1
     """128-code steps per iteration (1 or 2)."""
+    split_k: int = 1
+    """Programs sharing one output tile's K loop (1, 2, 4 or 8; fewer when K's iterations do not divide)."""
 
     def __post_init__(self):
-        if self.block_m not in (16, 32, 64, 128) or self.warps not in (4, 8) or self.steps not in (1, 2):
-            raise ValueError(f"{self}: block_m must be 16, 32, 64 or 128, warps 4 or 8, steps 1 or 2")
+        if (self.block_m not in (16, 32, 64, 128) or self.warps not in (4, 8) or self.steps not in (1, 2)
+                or self.split_k not in (1, 2, 4, 8)):
+            raise ValueError(f"{self}: block_m must be 16, 32, 64 or 128, warps 4 or 8, steps 1 or 2, "
+                             f"split_k 1, 2, 4 or 8")
 
 
-# (most tokens, (block_m, warps, steps)), for layers narrower and wider than 32 rows per SM; from a sweep on an
-# H200 (K = N = 4096 and 8192, 32..224 tokens; benchmarks/results/2026-11-29-h200-wgmma_sweep.md).
-_WGMMA_NARROW = ((128, (32, 4, 2)), (255, (64, 8, 1)))
-_WGMMA_WIDE = ((64, (32, 4, 2)), (128, (64, 8, 1)), (255, (128, 8, 1)))
+_WGMMA_MAX_SPLIT = 4
+"""Most programs one output tile's K loop is split over."""
 
 
 @functools.cache
 def pick_wgmma_config(rows: int, out_features: int, in_features: int, sms: int) -> WgmmaConfig | None:
-    """The wgmma kernel's configuration for x [rows, K] × W [N, K], or None outside 33..255 tokens or when K is
-    not a multiple of 128."""
+    """The wgmma kernel's configuration for x [rows, K] × W [N, K], or None outside 17..255 tokens or when K is
+    not a multiple of 128.
+
+    8 warps (128 weight rows per program), 64 tokens per program up to 128 tokens and 128 above, one 128-code
+    step per iteration; K is split over 2 or 4 programs while there are fewer programs than the SMs (up to 32
+    tokens) or half of them (more tokens), as long as each split keeps at least 2 whole iterations. From sweeps
+    on an H200 of 21 configurations (splits of 1 to 8) at 17..192 tokens on five layer shapes (4096², 8192²,
+    2048 × 5632, 4096 × 14336, 28672 × 4096; ``benchmarks/results/2026-11-30-h200-wgmma_sweep-split*.md``):
+    this rule is within 6% of each case's best configuration on average, 20% at worst.
+    """
     if in_features % STEP or not WGMMA_ROWS[0] <= rows <= WGMMA_ROWS[1]:
         return None
-    table = _WGMMA_WIDE if out_features >= 32 * sms else _WGMMA_NARROW
-    block_m, warps, steps = next(config for bound, config in table if rows <= bound)
-    if (in_features // STEP) % steps:
-        steps = 1
-    return WgmmaConfig(block_m=block_m, warps=warps, steps=steps)
+    block_m = 64 if rows <= 128 else 128
+    programs = triton.cdiv(out_features, 128) * triton.cdiv(rows, block_m)
+    iterations = in_features // STEP
+    target = sms if rows <= 32 else sms // 2
+    split = 1
+    while (split < _WGMMA_MAX_SPLIT and programs * split < target and iterations % (2 * split) == 0
+           and iterations // (2 * split) >= 2):
+        split *= 2
+    return WgmmaConfig(block_m=block_m, warps=8, steps=1, split_k=split)
 
 
 def wgmma_supported(rows: int, in_features: int, device_index: int) -> bool:
-    """Whether the wgmma kernel can take this call (33..255 tokens, K a multiple of 128, sm_90: wgmma is Hopper's)."""
+    """Whether the wgmma kernel can take this call (17..255 tokens, K a multiple of 128, sm_90: wgmma is Hopper's)."""
     return (WGMMA_AVAILABLE and WGMMA_ROWS[0] <= rows <= WGMMA_ROWS[1] and in_features % STEP == 0
             and _capability_major(device_index) == 9)
 
@@ -226,10 +241,20 @@ def w4a16_wgmma(
         raise ValueError(f"K={in_features} is not a multiple of {config.steps} steps of {STEP}")
     arguments, constexprs = _shared_arguments(x, weight, scales, decode_scale, bias, out)
     block_m = min(config.block_m, max(16, triton.next_power_of_2(rows)))
-    grid = (triton.cdiv(weight.shape[0], 16 * config.warps), triton.cdiv(rows, block_m))
-    _wgmma_kernel[grid](
-        *arguments, in_features // (STEP * config.steps), **constexprs,
-        BLOCK_M=block_m, WARPS=config.warps, STEPS=config.steps, num_warps=config.warps,
+    grid_n, grid_m = triton.cdiv(weight.shape[0], 16 * config.warps), triton.cdiv(rows, block_m)
+    iterations = in_features // (STEP * config.steps)
+    split = config.split_k
+    while split > 1 and iterations % split:
+        split //= 2
+    counters = split_counters(x.device, grid_n * grid_m) if split > 1 else None
+    if counters is None:
+        split, partials, counters = 1, out, out  # any pointers: not read without a split
+    else:
+        partials = torch.empty((grid_n * grid_m, split, 16 * config.warps, block_m), dtype=torch.float32,
+                               device=x.device)
+    _wgmma_kernel[(grid_n, grid_m, split)](
+        *arguments, iterations // split, partials, counters, split, **constexprs,
+        BLOCK_M=block_m, WARPS=config.warps, STEPS=config.steps, SPLIT=split > 1, num_warps=config.warps,
     )
     return out
 

@@ -14,10 +14,10 @@ accumulator once at the end. On sm_90 the M ≤ 16 loop compiles to ~7.9 SASS in
 about 3 of them the decode and scale; the rest are wgmma issue, address and pipeline bookkeeping.
 
 ``w4a16_linear`` picks the kernel by token count (``select_config``, fixed rules): the Gluon decode kernel for
-1..16 tokens and the Gluon wgmma kernel for 33..255 on Hopper (both need K a multiple of 128; ``gluon_gemv``);
+1..16 tokens and the Gluon wgmma kernel for 17..255 on Hopper (both need K a multiple of 128; ``gluon_gemv``);
 from 256 tokens on Hopper the Gluon prefill kernel for fp16 and, up to 512 tokens on layers of at least 2^26
 weights, for bf16 (K a multiple of 64); dequantize + cuBLAS for the other bf16 calls from 256 tokens on; and this
-tl kernel for everything else (17..32 tokens, K not a multiple of 128, GPUs or Tritons without the Gluon
+tl kernel for everything else (K not a multiple of 128, GPUs or Tritons without the Gluon
 kernels).
 
 Launch configuration comes from a fixed table keyed on M (``pick_config``), never from autotuning, so the first
@@ -51,6 +51,7 @@ from .gluon_gemv import (
 )
 from . import gluon_gemv
 from .ptx import DECODE_ASM
+from .splitk import split_counters
 
 logger = logging.getLogger(__name__)
 
@@ -268,39 +269,11 @@ def _dense_linear(x, weight, scales, decode_scale, bias):
     return torch.addmm(bias, x, dense.T)
 
 
-# Split-K tile counters: one int32 per output tile, per lane; each CUDA stream that launches the kernel gets
-# its own lane, so two streams never share a counter. Allocated once per device outside graph capture.
-_MAX_SPLIT_TILES = 1024
-_LANES = 16
-_counters: dict[int, torch.Tensor] = {}
-_stream_lanes: dict[tuple[int, int], int] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """This stream's zeroed counters for ``tiles`` tiles, or None (then the caller does not split K)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if tiles > _MAX_SPLIT_TILES:
-        return None
-    counters = _counters.get(index)
-    if counters is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None  # allocating would put the counters in the graph's pool, unzeroed outside replays
-        counters = _counters[index] = torch.zeros(_LANES * _MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    key = (index, torch.cuda.current_stream(device).cuda_stream)
-    lane = _stream_lanes.get(key)
-    if lane is None:
-        used = sum(1 for (dev, _) in _stream_lanes if dev == index)
-        if used >= _LANES:
-            return None
-        lane = _stream_lanes[key] = used
-    return counters[lane * _MAX_SPLIT_TILES:(lane + 1) * _MAX_SPLIT_TILES]
-
-
 _gluon_failure: dict[str, str] = {}
 """Gluon kernels turned off in this process ("decode", "wgmma", "prefill") and why."""
 _GLUON_FALLBACK = {
     "decode": "1..16 tokens use the tl kernel",
-    "wgmma": "33..255 tokens use the tl kernel",
+    "wgmma": "17..255 tokens use the tl kernel",
     "prefill": f"calls of {PREFILL_FROM_ROWS}+ tokens use the tl kernel (fp16) or dequantize + cuBLAS (bf16)",
 }
 
@@ -318,7 +291,7 @@ def select_config(
     rows: int, out_features: int, in_features: int, dtype: torch.dtype, device_index: int
 ) -> GemmConfig | GemvConfig | WgmmaConfig | PrefillConfig | None:
     """What ``w4a16_linear`` launches for x [rows, K] × W [N, K]: a Gluon kernel's config (decode kernel for 1..16
-    tokens, wgmma kernel for 33..255 on Hopper, prefill kernel from 256 on Hopper for fp16, and for bf16 on large
+    tokens, wgmma kernel for 17..255 on Hopper, prefill kernel from 256 on Hopper for fp16, and for bf16 on large
     layers up to 512), the tl kernel's, or None for dequantize + cuBLAS (other bf16 prefill)."""
     prefill = (rows >= PREFILL_FROM_ROWS and "prefill" not in _gluon_failure
                and prefill_supported(in_features, device_index))
@@ -383,7 +356,7 @@ def w4a16_linear(
     k_steps = triton.cdiv(in_features, config.block_k)
     k_per_split = triton.cdiv(k_steps, config.split_k) * config.block_k
     splits = triton.cdiv(in_features, k_per_split)
-    counters = _split_counters(x.device, grid_n * grid_m) if splits > 1 else None
+    counters = split_counters(x.device, grid_n * grid_m) if splits > 1 else None
     if counters is None:
         splits, k_per_split = 1, k_steps * config.block_k
         partials = counters = out  # any pointer: not read without a split
