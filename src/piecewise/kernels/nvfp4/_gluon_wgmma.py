@@ -6,7 +6,9 @@ straight into registers with the decode kernel's layout (each lane 16 contiguous
 by the same shifts and masks; the operand-A layout they end in is checked at compile time to be a register
 renaming. The activations take the matching K permutation in registers on their way into shared memory
 (two buffers), where wgmma reads them as operand B. The wgmma runs asynchronously: while it runs, the warps
-store the next activations, decode the next weights and have the loads after that in flight.
+store the next activations, decode the next weights and have the loads after that in flight. Where the
+programs would be too few to fill the GPU, K is split over ``split_k`` programs (grid axis 2): each stores its
+float32 tile and the last of a tile's programs to finish adds them in split order (``splitk``).
 
 Host side and configuration: ``gluon_gemv`` (``WgmmaConfig``, ``pick_wgmma_config``, ``w4a16_wgmma``).
 Imported only where Gluon imports and defines it.
