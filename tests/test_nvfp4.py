@@ -721,3 +721,28 @@ def test_wgmma_kernel_config_rules():
         WgmmaConfig(48, 4)
     with pytest.raises(ValueError, match="split_k 1, 2, 4 or 8"):
         WgmmaConfig(64, 8, 1, split_k=3)
+
+
+def test_a_models_dtype_change_keeps_the_nvfp4_scales():
+    """``model.half()`` / ``model.to(torch.bfloat16)`` after quantizing convert the biases, not the E4M3 block
+    scales and float32 decode scales of NVFP4 layers and experts (before: rounded to 16-bit floats, which the
+    CUDA kernels refuse and the CPU path used as they were)."""
+    from types import SimpleNamespace
+
+    from piecewise.kernels.nvfp4 import NVFP4Linear
+    from piecewise.models.glm_moe import NVFP4Experts
+
+    torch.manual_seed(0)
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(64, 32))
+    experts = NVFP4Experts(SimpleNamespace(gate_up=torch.randn(2, 64, 32), down=torch.randn(2, 32, 32)))
+    model = torch.nn.ModuleDict({"layer": layer, "experts": experts})
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    expected = layer(x)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    model.half()
+    model.to(torch.bfloat16)
+    scales = [key for key in before if "scale" in key]
+    assert len(scales) == 6
+    for key in scales:
+        assert model.state_dict()[key].dtype == before[key].dtype and torch.equal(model.state_dict()[key], before[key])
+    assert layer.bias.dtype == torch.bfloat16 and torch.equal(layer(x), expected)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.nvfp4 import global_scale_for, quantize
+from ..kernels.nvfp4.module import apply_keeping_scales
 from ..kernels.nvfp4.moe import moe_nvfp4_reference
 from ..kernels.nvfp4.ops import moe_op
 from ..kernels.routing import routed_sum
@@ -94,7 +95,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
 def moe_experts_nvfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                       gate_up_scale: torch.Tensor, gate_up_scale_2: torch.Tensor, down: torch.Tensor,
                       down_scale: torch.Tensor, down_scale_2: torch.Tensor) -> torch.Tensor:
-    """``moe_experts`` with NVFP4 weights: packed [E, N, K/2], E4M3 scales [E, N, K/16], decode scales [E]."""
+    """``moe_experts`` with NVFP4 weights: packed [E, N, K/2], E4M3 scales [E, N, K/16], decode scales [E] (gate_up:
+    [E] or [E, 2], gate and up halves)."""
     return moe_nvfp4_reference(x, ids, weights, gate_up, gate_up_scale, gate_up_scale_2, down, down_scale, down_scale_2)
 
 
@@ -129,6 +131,47 @@ class NVFP4Experts(nn.Module):
             self.register_buffer(name, torch.stack([packed for packed, _ in parts]))
             self.register_buffer(f"{name}_scale", torch.stack([scales for _, scales in parts]))
             self.register_buffer(f"{name}_scale_2", torch.stack([1 / scale for scale in encode]).float())
+
+    @classmethod
+    def from_checkpoint(cls, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, gate_up_scale_2: torch.Tensor,
+                        down: torch.Tensor, down_scale: torch.Tensor, down_scale_2: torch.Tensor,
+                        grouped: bool = True) -> "NVFP4Experts":
+        """Stacked checkpoint tensors: packed uint8 [E, N, K/2], float8_e4m3fn block scales [E, N, K/16] and
+        float32 *decode* scales (amax/2688) [E]; ``gate_up_scale_2`` may be [E, 2], a scale for the gate half
+        of the rows and one for the up half (checkpoints that quantize gate and up separately)."""
+        experts = gate_up.shape[0]
+        for name, packed, scales, decode, shapes in (
+                ("gate_up", gate_up, gate_up_scale, gate_up_scale_2, ((experts,), (experts, 2))),
+                ("down", down, down_scale, down_scale_2, ((experts,),))):
+            if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[0] != experts:
+                raise ValueError(f"{name} must be packed FP4 as uint8 [{experts}, N, K/2], got {packed.dtype} "
+                                 f"{tuple(packed.shape)}")
+            expected = (experts, packed.shape[1], packed.shape[2] * 2 // 16)
+            if scales.dtype != torch.float8_e4m3fn or tuple(scales.shape) != expected:
+                raise ValueError(f"{name}_scale must be float8_e4m3fn {list(expected)} (one per 16 inputs), got "
+                                 f"{scales.dtype} {tuple(scales.shape)}")
+            if tuple(decode.shape) not in shapes or not bool(torch.isfinite(decode).all() and (decode > 0).all()):
+                raise ValueError(f"{name}_scale_2 must hold positive finite decode scales of shape "
+                                 f"{' or '.join(str(list(shape)) for shape in shapes)}, got {tuple(decode.shape)}")
+            if float(decode.max()) > 1.0:
+                raise ValueError(f"{name}_scale_2 holds {float(decode.max()):.6g}, which looks like an encode scale "
+                                 f"(448·6/amax): checkpoints store the decode scale amax/2688; pass its reciprocal")
+        if gate_up.shape[1] % 2 or down.shape[2] * 2 != gate_up.shape[1] // 2:
+            raise ValueError(f"gate_up [E, 2I, H] and down [E, H, I] do not match: gate_up {tuple(gate_up.shape)} "
+                             f"(packed), down {tuple(down.shape)} (packed)")
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.grouped = grouped
+        for name, tensor in (("gate_up", gate_up), ("gate_up_scale", gate_up_scale), ("down", down),
+                             ("down_scale", down_scale)):
+            module.register_buffer(name, tensor.contiguous())
+        module.register_buffer("gate_up_scale_2", gate_up_scale_2.float().contiguous())
+        module.register_buffer("down_scale_2", down_scale_2.float().contiguous())
+        return module
+
+    def _apply(self, fn, recurse=True):  # a model's .to(dtype) keeps the scales' dtypes
+        return apply_keeping_scales(self, ("gate_up_scale", "gate_up_scale_2", "down_scale", "down_scale_2"), fn,
+                                    recurse)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         op = moe_op if self.grouped else moe_experts_nvfp4

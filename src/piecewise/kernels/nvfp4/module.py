@@ -18,6 +18,27 @@ def _one_scale(value: torch.Tensor | float, name: str) -> torch.Tensor:
     return tensor.reshape(()).to(torch.float32)
 
 
+_SAME_SIZE_INTEGER = {torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}
+
+
+def apply_keeping_scales(module: nn.Module, names: tuple[str, ...], fn, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` that moves the buffers ``names`` (NVFP4 scales) between devices but keeps their
+    dtype: ``model.to(torch.bfloat16)`` or ``.half()`` would otherwise round the E4M3 block scales and the float32
+    decode scale to 16-bit floats (the CUDA kernels then refuse them; the CPU path computes with the rounded
+    decode scale). The buffers go through ``fn`` as same-size integer views, which dtype conversions skip."""
+    kept = {}
+    for name in names:
+        tensor = module._buffers.get(name)
+        if tensor is not None and tensor.dtype in _SAME_SIZE_INTEGER:
+            kept[name] = tensor.dtype
+            module._buffers[name] = tensor.view(_SAME_SIZE_INTEGER[tensor.dtype])
+    try:
+        return nn.Module._apply(module, fn, recurse)
+    finally:
+        for name, dtype in kept.items():
+            module._buffers[name] = module._buffers[name].view(dtype)
+
+
 class NVFP4Linear(nn.Module):
     """``y = x @ W.T + bias`` with W stored as NVFP4, computed as W4A16 (weights dequantized inside the GEMM).
 
@@ -26,6 +47,7 @@ class NVFP4Linear(nn.Module):
     ``input_scale`` (kept when a checkpoint has one; unused, activations stay 16-bit) and ``bias``.
     Build one with ``from_linear`` or ``from_checkpoint``; move it with ``.to(device)``. On CUDA the forward
     is one opaque Triton op (captures in piecewise graphs); on CPU it dequantizes and runs a matmul.
+    ``.to(dtype)`` / ``.half()`` convert the bias only: the scales keep their dtypes.
     """
 
     weight: torch.Tensor
@@ -143,6 +165,9 @@ class NVFP4Linear(nn.Module):
         if bias is not None:
             layer.bias.copy_(bias.detach().to(device=device, dtype=dtype))
         return layer
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_scales(self, ("weight_scale", "weight_scale_2", "input_scale"), fn, recurse)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The weight as a dense [N, K] tensor (for checks and debugging)."""

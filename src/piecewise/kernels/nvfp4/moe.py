@@ -2,7 +2,9 @@
 
 ``moe_nvfp4(x, ids, weights, gate_up..., down...)``: x [T, H], expert ids and routing weights [T, k], each
 expert a SwiGLU MLP with NVFP4 weights stacked over experts (packed [E, N, K/2], E4M3 scales [E, N, K/16],
-decode scales [E]). The output is Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]).
+decode scales [E]; for gate_up also [E, 2]: one for the gate half of the rows and one for the up half, as
+checkpoints that quantize gate and up separately have them). The output is Σ_j weights[t, j] ·
+expert_{ids[t, j]}(x[t]).
 
 How (as vLLM's fused MoE does): ``align`` sorts the T·k (token, expert) pairs by expert and pads each expert's
 pairs to whole blocks of ``BLOCK_M`` rows, with device-side tensors of a fixed size (the number of blocks is at
@@ -62,9 +64,10 @@ if triton is not None:
         x_ptr, weight_ptr, scales_ptr, decode_ptr, route_ptr, out_ptr, rows_ptr, block_expert_ptr,
         pairs, out_features, in_features, stride_x_row, stride_out_row, x_row_div,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_FP16: tl.constexpr,
-        APPLY_ROUTE: tl.constexpr,
+        APPLY_ROUTE: tl.constexpr, HALVES: tl.constexpr,
     ):
-        """out[p, n] = (x[p // x_row_div] · W_e[n]) · decode_e (· route[p]) for the pairs p of one block."""
+        """out[p, n] = (x[p // x_row_div] · W_e[n]) · decode_e (· route[p]) for the pairs p of one block; with
+        HALVES, decode_e is decode[e, 0] for the first half of the rows and decode[e, 1] for the second."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
@@ -90,7 +93,10 @@ if triton is not None:
             x_t = tl.load(x_ptr + x_rows[None, :] * stride_x_row + (k0 + k_offsets)[:, None],
                           mask=m_mask[None, :], other=0.0)
             acc = tl.dot(weight, x_t, acc)
-        acc = acc * tl.load(decode_ptr + expert)
+        if HALVES:
+            acc = acc * tl.load(decode_ptr + 2 * expert + (n >= out_features // 2).to(tl.int32))[:, None]
+        else:
+            acc = acc * tl.load(decode_ptr + expert)
         if APPLY_ROUTE:
             acc = acc * tl.load(route_ptr + p, mask=m_mask, other=0.0)[None, :]
         out = out_ptr + p[None, :] * stride_out_row + n[:, None]
@@ -105,7 +111,8 @@ def _block_k(in_features: int) -> int:
 
 
 def grouped_w4a16(x, weight, scales, decode, rows, block_expert, pairs, x_row_div, route=None, out_dtype=None):
-    """One grouped launch: [pairs, N] = per-pair ``x[p // x_row_div] @ W_e.T · decode_e`` (· route[p])."""
+    """One grouped launch: [pairs, N] = per-pair ``x[p // x_row_div] @ W_e.T · decode_e`` (· route[p]); ``decode``
+    [E], or [E, 2] for a scale per half of the rows."""
     experts, out_features, packed_cols = weight.shape
     in_features = packed_cols * 2
     out = torch.empty((pairs, out_features), dtype=out_dtype or x.dtype, device=x.device)
@@ -115,7 +122,7 @@ def grouped_w4a16(x, weight, scales, decode, rows, block_expert, pairs, x_row_di
         x, weight, scales.view(torch.uint8), decode, route if route is not None else decode, out, rows, block_expert,
         pairs, out_features, in_features, x.stride(0), out.stride(0), x_row_div,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=_block_k(in_features), IS_FP16=x.dtype == torch.float16,
-        APPLY_ROUTE=route is not None, num_warps=4, num_stages=3,
+        APPLY_ROUTE=route is not None, HALVES=decode.dim() == 2, num_warps=4, num_stages=3,
     )
     return out
 
@@ -140,7 +147,12 @@ def moe_nvfp4_reference(x, ids, weights, gate_up, gate_up_scale, gate_up_scale_2
     """The same sum by a loop over the experts that got tokens (``functional.linear`` per expert)."""
 
     def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(rows, gate_up[index], gate_up_scale[index], gate_up_scale_2[index]).chunk(2, dim=-1)
+        if gate_up_scale_2.dim() == 2:  # gate and up halves with decode scales of their own
+            half = gate_up.shape[1] // 2
+            gate, up = (linear(rows, gate_up[index, part], gate_up_scale[index, part], gate_up_scale_2[index, j])
+                        for j, part in enumerate((slice(0, half), slice(half, None))))
+        else:
+            gate, up = linear(rows, gate_up[index], gate_up_scale[index], gate_up_scale_2[index]).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, down[index], down_scale[index], down_scale_2[index])
 
     return routed_sum(x, ids, weights, gate_up.shape[0], expert)

@@ -1,0 +1,241 @@
+"""Load an NVFP4 checkpoint in NVIDIA ModelOpt's Hugging Face format into a transformers model.
+
+``load_modelopt_nvfp4(model, path)``: ``model`` is the transformers model built from the checkpoint's
+``config.json`` (``AutoModelForCausalLM.from_config``, any dtype, e.g. on the ``meta`` device's sibling ``cpu``
+with ``torch_dtype=torch.bfloat16``); ``path`` the checkpoint's folder (``*.safetensors`` and
+``hf_quant_config.json``, or ``config.json`` with a ``quantization_config``). Every ``nn.Linear`` whose
+checkpoint entry is quantized (``<name>.weight`` packed uint8 [N, K/2], ``<name>.weight_scale`` float8_e4m3fn
+[N, K/16], ``<name>.weight_scale_2`` the float32 decode scale amax/2688) becomes an ``NVFP4Linear``; stacked
+experts (transformers' ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]) whose checkpoint holds them one
+expert at a time (``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, or Mixtral's ``w1`` / ``w3`` /
+``w2``) become ``NVFP4Experts``; every other tensor is copied into the model as it is. ``input_scale`` (the
+activation scale of W4A4 kernels) is kept on the layers and unused: activations stay 16-bit (W4A16).
+
+Gate and up projections quantized with different global scales keep both (a decode scale per half of the
+fused gate_up rows), so the experts compute exactly what the checkpoint holds, without a warning to read.
+
+Tensors are read one at a time with ``safetensors.safe_open``, so the whole checkpoint is never in memory at
+once. Missing tensors, a quantization other than NVFP4 with 16-element blocks, and checkpoint tensors the model
+has no place for raise ``ValueError`` naming them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..kernels.nvfp4 import NVFP4Linear
+from ..models.glm_moe import NVFP4Experts
+
+EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+"""Per-expert checkpoint names of (gate, up, down): Llama-style, and Mixtral's."""
+_IGNORED_SUFFIXES = ("k_scale", "v_scale", "input_scale")  # FP8 KV-cache and activation scales: W4A16 uses neither
+
+
+class _Folder(Mapping):
+    """The tensors of a folder's ``*.safetensors`` files by name, each read when asked for."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self._files: dict[str, Path] = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(file, framework="pt") as opened:
+                for key in opened.keys():
+                    self._files[key] = file
+        if not self._files:
+            raise ValueError(f"{folder} holds no *.safetensors files")
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._files[key], framework="pt") as opened:
+            return opened.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def read_quant_config(folder: Path) -> dict:
+    """The quantization section of ``hf_quant_config.json`` (``{"quantization": {...}}``) or of
+    ``config.json`` (``"quantization_config"``)."""
+    quant_file, config_file = folder / "hf_quant_config.json", folder / "config.json"
+    if quant_file.exists():
+        return json.loads(quant_file.read_text()).get("quantization", {})
+    if config_file.exists():
+        config = json.loads(config_file.read_text()).get("quantization_config")
+        if config is not None:
+            return config
+    raise ValueError(f"{folder} has neither hf_quant_config.json nor a quantization_config in config.json: "
+                     "is it a ModelOpt NVFP4 checkpoint?")
+
+
+def _check_quant_config(quant: dict) -> None:
+    algo = quant.get("quant_algo")
+    if algo != "NVFP4":
+        raise ValueError(f"the checkpoint's quant_algo is {algo!r}; load_modelopt_nvfp4 reads NVFP4 checkpoints "
+                         "(ModelOpt's quant_algo \"NVFP4\")")
+    group = quant.get("group_size", 16)
+    if group != 16:
+        raise ValueError(f"the checkpoint's group_size is {group}; NVFP4 has one scale per 16 weights")
+
+
+def load_modelopt_nvfp4(
+    model: nn.Module,
+    checkpoint: str | Path | Mapping[str, torch.Tensor],
+    *,
+    quant_config: dict | None = None,
+    key_map: Callable[[str], str] | None = None,
+    grouped_experts: bool = True,
+) -> list[str]:
+    """Load ``checkpoint`` (a folder, or a mapping of tensor names to tensors with ``quant_config`` the
+    ``"quantization"`` section) into ``model`` in place; returns the qualified names made NVFP4.
+
+    ``key_map`` renames checkpoint keys to the model's (for checkpoints whose names differ from the
+    transformers model's). ``grouped_experts`` as in ``integrations.transformers.quantize``. Call
+    ``integrations.transformers.enable(model)`` before or after; the experts switch to piecewise's experts op,
+    the only one that runs NVFP4 experts.
+    """
+    from .transformers import _is_experts, _use_piecewise_experts
+
+    if isinstance(checkpoint, (str, Path)):
+        folder = Path(checkpoint)
+        tensors: Mapping[str, torch.Tensor] = _Folder(folder)
+        quant = quant_config if quant_config is not None else read_quant_config(folder)
+    else:
+        if quant_config is None:
+            raise ValueError("a checkpoint given as a mapping of tensors needs quant_config= (the \"quantization\" "
+                             "section of its hf_quant_config.json)")
+        tensors, quant = checkpoint, quant_config
+    _check_quant_config(quant)  # which layers are quantized is read from the tensors (weight_scale present)
+    if key_map is not None:
+        renamed = {key_map(key): key for key in tensors}
+        source = tensors
+        tensors = _Renamed(source, renamed)
+    used: set[str] = set()
+
+    def take(key: str) -> torch.Tensor:
+        if key not in tensors:
+            raise ValueError(f"the checkpoint has no {key}")
+        used.add(key)
+        return tensors[key]
+
+    # Build every NVFP4 module and check the whole checkpoint first: an error leaves the model as it was.
+    layers: dict[str, nn.Module] = {}
+    experts: dict[str, NVFP4Experts] = {}
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and f"{name}.weight_scale" in tensors:
+            dtype = module.weight.dtype if module.weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+            try:
+                layer = NVFP4Linear.from_checkpoint(
+                    take(f"{name}.weight"), take(f"{name}.weight_scale"), take(f"{name}.weight_scale_2"),
+                    take(f"{name}.input_scale") if f"{name}.input_scale" in tensors else None,
+                    take(f"{name}.bias") if module.bias is not None else None, dtype=dtype)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from exc
+            if (layer.in_features, layer.out_features) != (module.in_features, module.out_features):
+                raise ValueError(f"{name}: the checkpoint's weight is {layer.out_features} × {layer.in_features}, "
+                                 f"the model's layer {module.out_features} × {module.in_features}")
+            layers[name] = layer.to(module.weight.device)
+        elif _is_experts(module) and _expert_names(tensors, name) is not None:
+            try:
+                loaded = _load_experts(module, name, _expert_names(tensors, name), tensors, take, grouped_experts)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from exc
+            experts[name] = loaded.to(module.gate_up_proj.device)
+    converted = list(layers) + list(experts)
+
+    # Everything else, as it is; tied parameters need one of their names in the checkpoint.
+    state, missing = {}, []
+    for group in _aliases(model, converted):
+        key = next((alias for alias in group if alias in tensors), None)
+        if key is None:
+            missing.append(group[0] + (f" (nor {', '.join(group[1:])})" if group[1:] else ""))
+        else:
+            state[group[0]] = key
+    left = sorted(key for key in tensors if key not in used and key not in state.values()
+                  and key.rsplit(".", 1)[-1] not in _IGNORED_SUFFIXES)
+    hint = (f"{len(left)} checkpoint tensors have no place in the model, e.g. {left[:3]}: pass key_map= to rename "
+            f"checkpoint keys to the model's names") if left else ""
+    if missing:
+        raise ValueError(f"the checkpoint has no {missing[0]}" + (f" and {len(missing) - 1} more" if missing[1:] else "")
+                         + (f"; {hint}" if hint else ""))
+    if hint:
+        raise ValueError(hint)
+
+    _use_piecewise_experts(model)  # (stacked experts, if any: the only experts op that runs NVFP4 experts)
+    for name, layer in layers.items():
+        model.set_submodule(name, layer)
+    for name, loaded in experts.items():
+        module = model.get_submodule(name)
+        module.nvfp4 = loaded
+        del module.gate_up_proj, module.down_proj
+    model.load_state_dict({name: take(key) for name, key in state.items()}, strict=False)
+    return sorted(converted)
+
+
+class _Renamed(Mapping):
+    def __init__(self, source: Mapping[str, torch.Tensor], renamed: dict[str, str]):
+        self._source, self._renamed = source, renamed
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._source[self._renamed[key]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._renamed)
+
+    def __len__(self) -> int:
+        return len(self._renamed)
+
+
+def _expert_names(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[str, str, str] | None:
+    """The (gate, up, down) names the checkpoint stores ``name``'s experts under, one expert at a time."""
+    for names in EXPERT_NAMES:
+        if f"{name}.0.{names[0]}.weight" in tensors:
+            return names
+    return None
+
+
+def _load_experts(module: nn.Module, name: str, names: tuple[str, str, str], tensors: Mapping[str, torch.Tensor],
+                  take: Callable[[str], torch.Tensor], grouped: bool) -> NVFP4Experts:
+    experts, inter2, hidden = module.gate_up_proj.shape
+    if f"{name}.{experts}.{names[0]}.weight" in tensors:
+        raise ValueError(f"the checkpoint has more than the model's {experts} experts")
+    parts: dict[str, list[list[torch.Tensor]]] = {}
+    for projection in names:
+        loaded = [[take(f"{name}.{e}.{projection}.{suffix}") for suffix in ("weight", "weight_scale", "weight_scale_2")]
+                  for e in range(experts)]
+        parts[projection] = [list(column) for column in zip(*loaded)]
+    gate, up, down = (parts[projection] for projection in names)
+    gate_up = torch.cat([torch.stack(gate[0]), torch.stack(up[0])], dim=1)
+    gate_up_scale = torch.cat([torch.stack(gate[1]), torch.stack(up[1])], dim=1)
+    scales = torch.stack([torch.stack([g.reshape(()), u.reshape(())]) for g, u in zip(gate[2], up[2])]).float()
+    if bool((scales[:, 0] == scales[:, 1]).all()):
+        scales = scales[:, 0].contiguous()  # one decode scale per expert: the common case
+    if tuple(gate_up.shape) != (experts, inter2, hidden // 2):
+        raise ValueError(f"the checkpoint's gate and up weights stack to {tuple(gate_up.shape)} (packed), the model's "
+                         f"gate_up_proj is {(experts, inter2, hidden)}")
+    down_scale_2 = torch.stack([s.reshape(()) for s in down[2]]).float()
+    return NVFP4Experts.from_checkpoint(gate_up, gate_up_scale, scales, torch.stack(down[0]), torch.stack(down[1]),
+                                        down_scale_2, grouped=grouped)
+
+
+def _aliases(model: nn.Module, converted: list[str]) -> list[list[str]]:
+    """The model's parameter and buffer names outside ``converted`` modules, grouped by the tensor they name
+    (tied weights share one), in the model's order."""
+    groups: dict[int, list[str]] = {}
+    inside = tuple(f"{name}." for name in converted)
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        if name.startswith(inside) or tensor is None:
+            continue
+        groups.setdefault(id(tensor), []).append(name)
+    persistent = set(model.state_dict())
+    return [group for group in groups.values() if group[0] in persistent]

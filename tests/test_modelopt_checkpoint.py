@@ -1,0 +1,229 @@
+"""``load_modelopt_nvfp4``: NVFP4 checkpoints in ModelOpt's Hugging Face format, written here from tiny random
+transformers models (every nn.Linear but the head quantized by the reference; stacked experts saved one expert
+and one projection at a time, each with its own global scale, as ModelOpt exports them), loaded into a model
+built with other random weights, and run under piecewise against transformers' forward on the dequantized
+weights."""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import piecewise
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from safetensors.torch import save_file  # noqa: E402
+
+from piecewise.integrations.modelopt import load_modelopt_nvfp4  # noqa: E402
+from piecewise.integrations.transformers import TokenModel, _is_experts, enable  # noqa: E402
+from piecewise.kernels.nvfp4 import dequantize, global_scale_for  # noqa: E402
+from piecewise.kernels.nvfp4.reference import quantize_reference  # noqa: E402
+from piecewise.models.glm_moe import NVFP4Experts  # noqa: E402
+from test_transformers_zoo import build  # noqa: E402
+
+QUANT_CONFIG = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+
+
+def _quantized(weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """ModelOpt's tensors for one weight (decode scale amax/2688) and the dequantized weight."""
+    weight = weight.detach().float()
+    encode = global_scale_for(weight)
+    packed, scales = quantize_reference(weight, encode)
+    tensors = {"weight": packed, "weight_scale": scales, "weight_scale_2": (1 / encode).reshape(()).float(),
+               "input_scale": torch.tensor(0.25)}
+    return tensors, dequantize(packed, scales, encode, dtype=torch.float32)
+
+
+def modelopt_checkpoint(model: nn.Module, expert_names=("gate_proj", "up_proj", "down_proj")):
+    """(the checkpoint's tensors, a float32 copy of ``model`` holding the dequantized weights)."""
+    expected = copy.deepcopy(model).float()
+    tensors = {}
+    done = set()
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and name != "lm_head":
+            parts, dense = _quantized(module.weight)
+            tensors |= {f"{name}.{key}": value for key, value in parts.items()}
+            expected.get_submodule(name).weight.data.copy_(dense)
+            done.add(f"{name}.weight")
+            if module.bias is not None:
+                tensors[f"{name}.bias"] = module.bias.detach().clone()
+                done.add(f"{name}.bias")
+        elif _is_experts(module):
+            inter = module.gate_up_proj.shape[1] // 2
+            target = expected.get_submodule(name)
+            for e in range(module.gate_up_proj.shape[0]):
+                for projection, weight, rows in (
+                        (expert_names[0], module.gate_up_proj[e, :inter], slice(0, inter)),
+                        (expert_names[1], module.gate_up_proj[e, inter:], slice(inter, None)),
+                        (expert_names[2], module.down_proj[e], None)):
+                    parts, dense = _quantized(weight)
+                    tensors |= {f"{name}.{e}.{projection}.{key}": value for key, value in parts.items()}
+                    if rows is None:
+                        target.down_proj.data[e] = dense
+                    else:
+                        target.gate_up_proj.data[e, rows] = dense
+            done |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
+    for key, value in model.state_dict().items():
+        if key not in done and key not in tensors:
+            tensors[key] = value.detach().clone()
+    if getattr(model.config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    return tensors, expected
+
+
+def write(folder, tensors, quant=QUANT_CONFIG):
+    save_file({key: value.contiguous() for key, value in tensors.items()}, str(folder / "model.safetensors"))
+    (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
+    return folder
+
+
+def fresh(name: str, dtype=torch.float32) -> nn.Module:
+    """The same architecture with other random weights: everything must come from the checkpoint."""
+    torch.manual_seed(123)
+    config = build(name).config
+    return transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
+
+
+def prefill_and_decode(call, token_model, ids, device="cpu"):
+    cache = token_model.make_kv_cache(max_seq_len=32)
+    with torch.no_grad():
+        steps = [call(ids[:5], torch.arange(5, device=device), cache)]
+        steps += [call(ids[p : p + 1], torch.tensor([p], device=device), cache) for p in range(5, 9)]
+    return torch.cat(steps)
+
+
+@pytest.mark.parametrize("name", ["Qwen3Moe", "Glm4Moe", "Mixtral", "Qwen2"])
+def test_a_modelopt_checkpoint_runs_under_piecewise_as_its_dequantized_weights(name, tmp_path):
+    """Qwen3-MoE, GLM-4-MoE (a router with a correction bias, a dense first layer, shared experts) and Mixtral
+    (experts saved as w1 / w3 / w2), and a dense Qwen2 with q/k/v biases: loaded from the folder, every linear
+    layer but the head is NVFP4 and the experts are NVFP4 with the gate's and the up projection's own scales;
+    prefill and decode steps under piecewise give transformers' logits on the dequantized weights."""
+    model = build(name)
+    names = ("w1", "w3", "w2") if name == "Mixtral" else ("gate_proj", "up_proj", "down_proj")
+    tensors, expected = modelopt_checkpoint(model, names)
+    folder = write(tmp_path, tensors)
+    loaded = fresh(name)
+    converted = load_modelopt_nvfp4(loaded, folder)
+    linears = [n for n, m in loaded.named_modules() if type(m) is nn.Linear]
+    assert linears == ["lm_head"] and converted, linears
+    experts = [m.nvfp4 for m in loaded.modules() if isinstance(getattr(m, "nvfp4", None), NVFP4Experts)]
+    assert bool(experts) == (name != "Qwen2")
+    for module in experts:  # separately quantized gate and up: a decode scale for each half
+        assert module.gate_up_scale_2.dim() == 2 and not torch.equal(*module.gate_up_scale_2.unbind(1))
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        reference = expected(input_ids=ids[None], use_cache=False).logits[0]
+    token_model = TokenModel(enable(loaded))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    torch.testing.assert_close(prefill_and_decode(runner, token_model, ids), reference, rtol=1e-4, atol=1e-4)
+    assert runner.stats["traces"] == 1 and runner.stats["graph_breaks"] == 0
+
+
+def test_tied_embeddings_and_renamed_keys(tmp_path):
+    """A head tied to the embeddings is absent from the checkpoint and loads through its tie; ``key_map``
+    renames checkpoint keys (here a checkpoint whose names lack the ``model.`` prefix)."""
+    model = build("Qwen3")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    tensors, expected = modelopt_checkpoint(model)
+    assert "lm_head.weight" not in tensors
+    renamed = {key.removeprefix("model."): value for key, value in tensors.items()}
+    loaded = fresh("Qwen3")
+    loaded.config.tie_word_embeddings = True
+    loaded.tie_weights()
+    with pytest.raises(ValueError, match=r"no place in the model.*key_map="):
+        load_modelopt_nvfp4(copy.deepcopy(loaded), renamed, quant_config=QUANT_CONFIG)
+    load_modelopt_nvfp4(loaded, renamed, quant_config=QUANT_CONFIG,
+                        key_map=lambda key: key if key.startswith("lm_head") else f"model.{key}")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids[None]).logits, expected(input_ids=ids[None]).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_bad_checkpoints_are_refused_with_what_is_wrong(tmp_path):
+    tensors, _ = modelopt_checkpoint(build("Qwen3Moe"))
+    layer = "model.layers.0.self_attn.q_proj"
+
+    model = fresh("Qwen3Moe")
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+
+    def load(changed: dict, quant=QUANT_CONFIG, drop=()):
+        return load_modelopt_nvfp4(model, {k: v for k, v in (tensors | changed).items() if k not in drop},
+                                   quant_config=quant)
+
+    with pytest.raises(ValueError, match="quant_algo is 'FP8'.*NVFP4"):
+        load({}, quant={"quant_algo": "FP8"})
+    with pytest.raises(ValueError, match="group_size is 32"):
+        load({}, quant=QUANT_CONFIG | {"group_size": 32})
+    with pytest.raises(ValueError, match=f"the checkpoint has no {layer}.weight_scale_2"):
+        load({}, drop=(f"{layer}.weight_scale_2",))
+    encode = 1 / tensors[f"{layer}.weight_scale_2"]  # the commonest NVFP4 bug: the encode scale stored instead
+    with pytest.raises(ValueError, match=f"{layer}: weight_scale_2=.* looks like an encode scale"):
+        load({f"{layer}.weight_scale_2": encode})
+    experts = "model.layers.1.mlp.experts"
+    with pytest.raises(ValueError, match=f"{experts}: the checkpoint has no {experts}.3.down_proj.weight_scale"):
+        load({}, drop=(f"{experts}.3.down_proj.weight_scale",))
+    with pytest.raises(ValueError, match=f"{experts}: the checkpoint has more than the model's 4 experts"):
+        load({f"{experts}.4.gate_proj.weight": tensors[f"{experts}.0.gate_proj.weight"]})
+    with pytest.raises(ValueError, match="the checkpoint has no model.norm.weight"):
+        load({}, drop=("model.norm.weight",))
+    after = model.state_dict()  # every refusal left the model as it was
+    assert after.keys() == before.keys() and all(torch.equal(after[key], before[key]) for key in before)
+    with pytest.raises(ValueError, match="quantization_config"):
+        load_modelopt_nvfp4(fresh("Qwen3Moe"), write_plain(tmp_path, tensors))
+    with pytest.raises(ValueError, match="needs quant_config="):
+        load_modelopt_nvfp4(fresh("Qwen3Moe"), tensors)
+
+
+def write_plain(folder, tensors):
+    save_file({key: value.contiguous() for key, value in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_experts_with_one_scale_for_gate_and_up_keep_one():
+    """Checkpoints that quantize gate and up with one global scale (ModelOpt's fused-aware export) give one
+    decode scale per expert."""
+    tensors, _ = modelopt_checkpoint(build("Qwen3Moe"))
+    for key in [k for k in tensors if k.endswith("up_proj.weight_scale_2")]:
+        tensors[key] = tensors[key.replace("up_proj", "gate_proj")]
+    loaded = fresh("Qwen3Moe")
+    load_modelopt_nvfp4(loaded, tensors, quant_config=QUANT_CONFIG)
+    scales = [m.nvfp4.gate_up_scale_2 for m in loaded.modules() if isinstance(getattr(m, "nvfp4", None), NVFP4Experts)]
+    assert scales and all(s.shape == (4,) for s in scales)
+
+
+def test_per_half_decode_scales_compute_the_separate_projections():
+    """Experts whose gate and up halves have decode scales of their own compute what the separately
+    dequantized projections compute (CPU reference); bad scale tensors are refused."""
+    from piecewise.kernels.nvfp4.moe import moe_nvfp4_reference
+
+    torch.manual_seed(0)
+    experts, inter, hidden = 3, 32, 64
+    gate_up, down = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    halves = [[_quantized(w) for w in (gate_up[e, :inter], gate_up[e, inter:], down[e])] for e in range(experts)]
+    packed = torch.stack([torch.cat([g["weight"], u["weight"]]) for (g, _), (u, _), _ in halves])
+    scales = torch.stack([torch.cat([g["weight_scale"], u["weight_scale"]]) for (g, _), (u, _), _ in halves])
+    decode = torch.stack([torch.stack([g["weight_scale_2"], u["weight_scale_2"]]) for (g, _), (u, _), _ in halves])
+    down_packed = torch.stack([d["weight"] for _, _, (d, _) in halves])
+    down_scales = torch.stack([d["weight_scale"] for _, _, (d, _) in halves])
+    down_decode = torch.stack([d["weight_scale_2"] for _, _, (d, _) in halves])
+    module = NVFP4Experts.from_checkpoint(packed, scales, decode, down_packed, down_scales, down_decode)
+    x, ids = torch.randn(5, hidden), torch.randint(0, experts, (5, 2))
+    weights = torch.rand(5, 2)
+    expected = torch.zeros(5, hidden)
+    for t in range(5):
+        for j in range(2):
+            (_, gate), (_, up), (_, w_down) = halves[int(ids[t, j])]
+            expected[t] += weights[t, j] * (torch.nn.functional.silu(x[t] @ gate.T) * (x[t] @ up.T)) @ w_down.T
+    torch.testing.assert_close(moe_nvfp4_reference(x, ids, weights, module.gate_up, module.gate_up_scale,
+                                                   module.gate_up_scale_2, module.down, module.down_scale,
+                                                   module.down_scale_2), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"gate_up_scale_2 must hold positive finite decode scales of shape \[3\] or \[3, 2\]"):
+        NVFP4Experts.from_checkpoint(packed, scales, decode[:, :1], down_packed, down_scales, down_decode)
+    with pytest.raises(ValueError, match="down_scale_2 holds .* looks like an encode scale"):
+        NVFP4Experts.from_checkpoint(packed, scales, decode, down_packed, down_scales, 1 / down_decode)
