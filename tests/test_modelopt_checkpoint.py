@@ -95,6 +95,17 @@ def prefill_and_decode(call, token_model, ids, device="cpu"):
     return torch.cat(steps)
 
 
+def assert_runs_as(loaded: nn.Module, expected: nn.Module):
+    """Prefill and decode steps of ``loaded`` under piecewise give ``expected``'s logits; returns the runner."""
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        reference = expected(input_ids=ids[None], use_cache=False).logits[0]
+    token_model = TokenModel(enable(loaded))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    torch.testing.assert_close(prefill_and_decode(runner, token_model, ids), reference, rtol=1e-4, atol=1e-4)
+    return runner
+
+
 @pytest.mark.parametrize("name", ["Qwen3Moe", "Glm4Moe", "Mixtral", "Qwen2"])
 def test_a_modelopt_checkpoint_runs_under_piecewise_as_its_dequantized_weights(name, tmp_path):
     """Qwen3-MoE, GLM-4-MoE (a router with a correction bias, a dense first layer, shared experts) and Mixtral
@@ -113,12 +124,7 @@ def test_a_modelopt_checkpoint_runs_under_piecewise_as_its_dequantized_weights(n
     assert bool(experts) == (name != "Qwen2")
     for module in experts:  # separately quantized gate and up: a decode scale for each half
         assert module.gate_up_scale_2.dim() == 2 and not torch.equal(*module.gate_up_scale_2.unbind(1))
-    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        reference = expected(input_ids=ids[None], use_cache=False).logits[0]
-    token_model = TokenModel(enable(loaded))
-    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
-    torch.testing.assert_close(prefill_and_decode(runner, token_model, ids), reference, rtol=1e-4, atol=1e-4)
+    runner = assert_runs_as(loaded, expected)
     assert runner.stats["traces"] == 1 and runner.stats["graph_breaks"] == 0
 
 
@@ -227,3 +233,18 @@ def test_per_half_decode_scales_compute_the_separate_projections():
         NVFP4Experts.from_checkpoint(packed, scales, decode[:, :1], down_packed, down_scales, down_decode)
     with pytest.raises(ValueError, match="down_scale_2 holds .* looks like an encode scale"):
         NVFP4Experts.from_checkpoint(packed, scales, decode, down_packed, down_scales, 1 / down_decode)
+
+
+@pytest.mark.parametrize("name", ["Glm4Moe", "Qwen3"])
+def test_a_model_built_on_the_meta_device_loads_without_its_16_bit_weights(name, tmp_path):
+    """``with torch.device("meta"): from_config(...)`` allocates no weights; the loader puts every tensor on the
+    CPU (the parameters in their dtype), computes the rotary tables there, and the model runs as above."""
+    model = build(name)
+    tensors, expected = modelopt_checkpoint(model)
+    with torch.device("meta"):
+        loaded = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    load_modelopt_nvfp4(loaded, write(tmp_path, tensors))
+    assert not [n for n, t in list(loaded.named_parameters()) + list(loaded.named_buffers()) if t.device.type != "cpu"]
+    rotary = [(n, b) for n, b in loaded.named_buffers() if n.endswith("inv_freq")]
+    assert rotary and all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in rotary)
+    assert_runs_as(loaded, expected)

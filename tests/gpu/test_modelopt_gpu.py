@@ -48,13 +48,20 @@ def test_grouped_kernel_applies_each_halfs_decode_scale():
     assert rel_error(out.cpu(), expected) <= 1e-2
 
 
-@pytest.mark.parametrize("name", ["Qwen3Moe", "Glm4Moe"])
-def test_a_loaded_checkpoint_on_cuda_graphs(name):
-    """bf16 on CUDA: the graphs replay what the same model computes eagerly, bit for bit, and both are within
-    bf16 rounding of transformers' float32 forward on the dequantized weights."""
-    tensors, expected = modelopt_checkpoint(build(name))
-    loaded = fresh(name, torch.bfloat16).cuda()
-    load_modelopt_nvfp4(loaded, tensors, quant_config=QUANT_CONFIG)
+@pytest.mark.parametrize("name,meta", [("Qwen3Moe", False), ("Glm4Moe", True)])
+def test_a_loaded_checkpoint_on_cuda_graphs(name, meta):
+    """bf16 on CUDA (GLM-4-MoE built on the meta device and loaded to CUDA): the graphs replay what the same
+    model computes eagerly, bit for bit, and both are within bf16 rounding of transformers' float32 forward on
+    the dequantized weights."""
+    model = build(name)
+    tensors, expected = modelopt_checkpoint(model)
+    if meta:
+        with torch.device("meta"):
+            loaded = transformers.AutoModelForCausalLM.from_config(model.config, torch_dtype=torch.bfloat16).eval()
+    else:
+        loaded = fresh(name, torch.bfloat16).cuda()
+    load_modelopt_nvfp4(loaded, tensors, quant_config=QUANT_CONFIG, device="cuda")
+    assert all(t.is_cuda for t in loaded.state_dict().values())
     ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         reference = expected(input_ids=ids[None], use_cache=False).logits[0]

@@ -94,14 +94,18 @@ def load_modelopt_nvfp4(
     quant_config: dict | None = None,
     key_map: Callable[[str], str] | None = None,
     grouped_experts: bool = True,
+    device: str | torch.device | None = None,
 ) -> list[str]:
     """Load ``checkpoint`` (a folder, or a mapping of tensor names to tensors with ``quant_config`` the
     ``"quantization"`` section) into ``model`` in place; returns the qualified names made NVFP4.
 
-    ``key_map`` renames checkpoint keys to the model's (for checkpoints whose names differ from the
-    transformers model's). ``grouped_experts`` as in ``integrations.transformers.quantize``. Call
-    ``integrations.transformers.enable(model)`` before or after; the experts switch to piecewise's experts op,
-    the only one that runs NVFP4 experts.
+    ``model`` may be built on the ``meta`` device (``with torch.device("meta"): from_config(...)``), so that
+    its 16-bit weights are never allocated: the loaded tensors then go to ``device`` (default: where the model's
+    parameters are, or the CPU for a meta model), each non-quantized one in its parameter's dtype, and the
+    rotary tables are computed there (transformers' ``_init_weights``). ``key_map`` renames checkpoint keys to
+    the model's (for checkpoints whose names differ from the transformers model's). ``grouped_experts`` as in
+    ``integrations.transformers.quantize``. Call ``integrations.transformers.enable(model)`` before or after;
+    the experts switch to piecewise's experts op, the only one that runs NVFP4 experts.
     """
     from .transformers import _is_experts, _use_piecewise_experts
 
@@ -115,6 +119,10 @@ def load_modelopt_nvfp4(
                              "section of its hf_quant_config.json)")
         tensors, quant = checkpoint, quant_config
     _check_quant_config(quant)  # which layers are quantized is read from the tensors (weight_scale present)
+    if device is None:
+        real = next((t.device for t in model.parameters() if t.device.type != "meta"), torch.device("cpu"))
+        device = real
+    device = torch.device(device)
     if key_map is not None:
         renamed = {key_map(key): key for key in tensors}
         source = tensors
@@ -143,13 +151,13 @@ def load_modelopt_nvfp4(
             if (layer.in_features, layer.out_features) != (module.in_features, module.out_features):
                 raise ValueError(f"{name}: the checkpoint's weight is {layer.out_features} × {layer.in_features}, "
                                  f"the model's layer {module.out_features} × {module.in_features}")
-            layers[name] = layer.to(module.weight.device)
+            layers[name] = layer.to(device)
         elif _is_experts(module) and _expert_names(tensors, name) is not None:
             try:
                 loaded = _load_experts(module, name, _expert_names(tensors, name), tensors, take, grouped_experts)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from exc
-            experts[name] = loaded.to(module.gate_up_proj.device)
+            experts[name] = loaded.to(device)
     converted = list(layers) + list(experts)
 
     # Everything else, as it is; tied parameters need one of their names in the checkpoint.
@@ -177,8 +185,36 @@ def load_modelopt_nvfp4(
         module = model.get_submodule(name)
         module.nvfp4 = loaded
         del module.gate_up_proj, module.down_proj
-    model.load_state_dict({name: take(key) for name, key in state.items()}, strict=False)
+    _load_rest(model, {name: take(key) for name, key in state.items()}, device)
     return sorted(converted)
+
+
+def _load_rest(model: nn.Module, state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Copy ``state`` into the model's tensors; tensors still on the meta device are replaced by the loaded ones
+    (on ``device``, in their own dtype), their ties restored, and meta non-persistent buffers (rotary tables)
+    computed on ``device`` by transformers' ``_init_weights``."""
+    targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    on_meta = {name for name in state if targets[name].device.type == "meta"}
+    model.load_state_dict({name: value for name, value in state.items() if name not in on_meta}, strict=False)
+    if on_meta:
+        model.load_state_dict({name: state[name].to(device=device, dtype=targets[name].dtype) for name in on_meta},
+                              strict=False, assign=True)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+    for module in model.modules():
+        meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.device.type == "meta"]
+        if not meta:
+            continue
+        if list(module.parameters(recurse=False)) or not hasattr(model, "_init_weights"):
+            break
+        for name in meta:
+            setattr(module, name, torch.empty_like(getattr(module, name), device=device))
+        model._init_weights(module)
+    left = [name for name, tensor in list(model.named_parameters()) + list(model.named_buffers())
+            if tensor.device.type == "meta"]
+    if left:
+        raise ValueError(f"{len(left)} tensors of the model are still on the meta device after loading, e.g. "
+                         f"{left[:3]}: build the model on a real device, or load them yourself")
 
 
 class _Renamed(Mapping):
