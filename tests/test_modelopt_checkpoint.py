@@ -164,6 +164,8 @@ def test_bad_checkpoints_are_refused_with_what_is_wrong(tmp_path):
 
     with pytest.raises(ValueError, match="quant_algo is 'FP8'.*NVFP4"):
         load({}, quant={"quant_algo": "FP8"})
+    with pytest.raises(ValueError, match="quant_method is 'compressed-tensors': another format"):
+        load({}, quant={"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"})
     with pytest.raises(ValueError, match="group_size is 32"):
         load({}, quant=QUANT_CONFIG | {"group_size": 32})
     with pytest.raises(ValueError, match=f"the checkpoint has no {layer}.weight_scale_2"):
@@ -248,3 +250,20 @@ def test_a_model_built_on_the_meta_device_loads_without_its_16_bit_weights(name,
     rotary = [(n, b) for n, b in loaded.named_buffers() if n.endswith("inv_freq")]
     assert rotary and all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in rotary)
     assert_runs_as(loaded, expected)
+
+
+def test_layers_the_model_class_ignores_are_skipped(tmp_path):
+    """GLM-4.5's multi-token-prediction layer (``model.layers.46``, which transformers' class lists in
+    ``_keys_to_ignore_on_load_unexpected``) is skipped, quantized or not; other strays are refused. The
+    quantization section may also sit in config.json's ``quantization_config``."""
+    tensors, expected = modelopt_checkpoint(build("Glm4Moe"))
+    extra = {"model.layers.46.mlp.experts.0.gate_proj.weight": tensors["model.layers.1.mlp.experts.0.gate_proj.weight"].clone(),
+             "model.layers.46.eh_proj.weight": torch.zeros(64, 128)}
+    save_file({key: value.contiguous() for key, value in (tensors | extra).items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "modelopt",
+                                                                               "quantization": QUANT_CONFIG}}))
+    loaded = fresh("Glm4Moe")
+    load_modelopt_nvfp4(loaded, tmp_path)
+    assert_runs_as(loaded, expected)
+    with pytest.raises(ValueError, match=r"1 checkpoint tensors have no place in the model, e.g. \['model.stray'\]"):
+        load_modelopt_nvfp4(fresh("Glm4Moe"), tensors | {"model.stray": torch.zeros(2)}, quant_config=QUANT_CONFIG)

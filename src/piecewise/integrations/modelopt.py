@@ -16,12 +16,14 @@ fused gate_up rows), so the experts compute exactly what the checkpoint holds, w
 
 Tensors are read one at a time with ``safetensors.safe_open``, so the whole checkpoint is never in memory at
 once. Missing tensors, a quantization other than NVFP4 with 16-element blocks, and checkpoint tensors the model
-has no place for raise ``ValueError`` naming them.
+has no place for raise ``ValueError`` naming them; tensors the model class declares it ignores
+(``_keys_to_ignore_on_load_unexpected``: the multi-token-prediction layers of GLM-4.5 and DeepSeek-V3) are skipped.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -72,7 +74,7 @@ def read_quant_config(folder: Path) -> dict:
     if config_file.exists():
         config = json.loads(config_file.read_text()).get("quantization_config")
         if config is not None:
-            return config
+            return config.get("quantization", config)
     raise ValueError(f"{folder} has neither hf_quant_config.json nor a quantization_config in config.json: "
                      "is it a ModelOpt NVFP4 checkpoint?")
 
@@ -80,8 +82,11 @@ def read_quant_config(folder: Path) -> dict:
 def _check_quant_config(quant: dict) -> None:
     algo = quant.get("quant_algo")
     if algo != "NVFP4":
-        raise ValueError(f"the checkpoint's quant_algo is {algo!r}; load_modelopt_nvfp4 reads NVFP4 checkpoints "
-                         "(ModelOpt's quant_algo \"NVFP4\")")
+        method = quant.get("quant_method")
+        other = (f" (its quant_method is {method!r}: another format, whose tensor names and scale conventions "
+                 f"differ)") if method not in (None, "modelopt") else ""
+        raise ValueError(f"the checkpoint's quant_algo is {algo!r}{other}; load_modelopt_nvfp4 reads ModelOpt's NVFP4 "
+                         "checkpoints (quant_algo \"NVFP4\")")
     group = quant.get("group_size", 16)
     if group != 16:
         raise ValueError(f"the checkpoint's group_size is {group}; NVFP4 has one scale per 16 weights")
@@ -168,8 +173,9 @@ def load_modelopt_nvfp4(
             missing.append(group[0] + (f" (nor {', '.join(group[1:])})" if group[1:] else ""))
         else:
             state[group[0]] = key
+    ignored = [re.compile(pattern) for pattern in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     left = sorted(key for key in tensors if key not in used and key not in state.values()
-                  and key.rsplit(".", 1)[-1] not in _IGNORED_SUFFIXES)
+                  and key.rsplit(".", 1)[-1] not in _IGNORED_SUFFIXES and not any(p.search(key) for p in ignored))
     hint = (f"{len(left)} checkpoint tensors have no place in the model, e.g. {left[:3]}: pass key_map= to rename "
             f"checkpoint keys to the model's names") if left else ""
     if missing:
