@@ -207,8 +207,10 @@ def test_experts_with_one_scale_for_gate_and_up_keep_one():
 
 def test_per_half_decode_scales_compute_the_separate_projections():
     """Experts whose gate and up halves have decode scales of their own compute what the separately
-    dequantized projections compute (CPU reference); bad scale tensors are refused."""
+    dequantized projections compute (CPU reference), also sharded over two tensor-parallel ranks; bad scale
+    tensors are refused."""
     from piecewise.kernels.nvfp4.moe import moe_nvfp4_reference
+    from piecewise.parallel import shard_experts
 
     torch.manual_seed(0)
     experts, inter, hidden = 3, 32, 64
@@ -228,9 +230,20 @@ def test_per_half_decode_scales_compute_the_separate_projections():
         for j in range(2):
             (_, gate), (_, up), (_, w_down) = halves[int(ids[t, j])]
             expected[t] += weights[t, j] * (torch.nn.functional.silu(x[t] @ gate.T) * (x[t] @ up.T)) @ w_down.T
-    torch.testing.assert_close(moe_nvfp4_reference(x, ids, weights, module.gate_up, module.gate_up_scale,
-                                                   module.gate_up_scale_2, module.down, module.down_scale,
-                                                   module.down_scale_2), expected, rtol=1e-4, atol=1e-4)
+    def run(experts):
+        return moe_nvfp4_reference(x, ids, weights, experts.gate_up, experts.gate_up_scale, experts.gate_up_scale_2,
+                                   experts.down, experts.down_scale, experts.down_scale_2)
+
+    torch.testing.assert_close(run(module), expected, rtol=1e-4, atol=1e-4)
+    # Tensor parallel: each of two ranks keeps half of the gate rows and half of the up rows; the halves' decode
+    # scales stay whole, and the ranks' partial sums add up to the whole.
+    partials = []
+    for rank in range(2):
+        shard = copy.deepcopy(module)
+        shard_experts(shard, inter, rank, 2, "experts")
+        assert shard.gate_up.shape[1] == inter and shard.gate_up_scale_2.shape == (experts, 2)
+        partials.append(run(shard))
+    torch.testing.assert_close(partials[0] + partials[1], expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"gate_up_scale_2 must hold positive finite decode scales of shape \[3\] or \[3, 2\]"):
         NVFP4Experts.from_checkpoint(packed, scales, decode[:, :1], down_packed, down_scales, down_decode)
     with pytest.raises(ValueError, match="down_scale_2 holds .* looks like an encode scale"):
