@@ -19,7 +19,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from piecewise.integrations.modelopt import load_modelopt_nvfp4  # noqa: E402
 from piecewise.integrations.transformers import TokenModel, _is_experts, enable  # noqa: E402
-from piecewise.kernels.nvfp4 import dequantize, global_scale_for  # noqa: E402
+from piecewise.kernels.nvfp4 import NVFP4Linear, dequantize, global_scale_for  # noqa: E402
 from piecewise.kernels.nvfp4.reference import quantize_reference  # noqa: E402
 from piecewise.models.glm_moe import NVFP4Experts  # noqa: E402
 from test_transformers_zoo import build  # noqa: E402
@@ -280,3 +280,35 @@ def test_layers_the_model_class_ignores_are_skipped(tmp_path):
     assert_runs_as(loaded, expected)
     with pytest.raises(ValueError, match=r"1 checkpoint tensors have no place in the model, e.g. \['model.stray'\]"):
         load_modelopt_nvfp4(fresh("Glm4Moe"), tensors | {"model.stray": torch.zeros(2)}, quant_config=QUANT_CONFIG)
+
+
+@pytest.mark.parametrize("name", ["Glm4Moe", "Qwen3"])
+def test_a_quantized_model_saved_and_loaded_from_the_meta_device_gives_the_same_logits(name, tmp_path):
+    """``quantize`` then ``save_modelopt_nvfp4``; a model built on the meta device from the saved config.json and
+    loaded from the folder (several files) gives exactly the quantized model's logits. Qwen3 with a head tied
+    to the embeddings: the tensor is saved once."""
+    from piecewise.integrations.modelopt import save_modelopt_nvfp4
+    from piecewise.integrations.transformers import quantize
+
+    model = build(name)
+    if name == "Qwen3":
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    quantize(enable(model))
+    files = save_modelopt_nvfp4(model, tmp_path, max_file_bytes=100_000)
+    assert len(files) > 1 and (tmp_path / "config.json").exists()
+    quant = json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "NVFP4" and quant["exclude_modules"] == ["lm_head"]
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        loaded = transformers.AutoModelForCausalLM.from_config(config).eval()
+    converted = load_modelopt_nvfp4(loaded, tmp_path)
+    assert converted == sorted(n for n, m in model.named_modules()
+                               if isinstance(m, NVFP4Linear) or isinstance(getattr(m, "nvfp4", None), NVFP4Experts))
+    if name == "Qwen3":
+        assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(enable(loaded)(input_ids=ids[None]).logits, model(input_ids=ids[None]).logits)
+    with pytest.raises(ValueError, match="no NVFP4 layers or experts: quantize it first"):
+        save_modelopt_nvfp4(build("Qwen2"), tmp_path / "plain")

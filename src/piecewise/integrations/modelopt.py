@@ -1,8 +1,11 @@
 """Load an NVFP4 checkpoint in NVIDIA ModelOpt's Hugging Face format into a transformers model.
 
+``save_modelopt_nvfp4(model, folder)`` writes a model quantized by ``integrations.transformers.quantize`` in the
+same format, so a large model is quantized once and later loaded from the meta device.
+
 ``load_modelopt_nvfp4(model, path)``: ``model`` is the transformers model built from the checkpoint's
-``config.json`` (``AutoModelForCausalLM.from_config``, any dtype, e.g. on the ``meta`` device's sibling ``cpu``
-with ``torch_dtype=torch.bfloat16``); ``path`` the checkpoint's folder (``*.safetensors`` and
+``config.json`` (``AutoModelForCausalLM.from_config``, in any dtype, on a device or on the ``meta`` device);
+``path`` the checkpoint's folder (``*.safetensors`` and
 ``hf_quant_config.json``, or ``config.json`` with a ``quantization_config``). Every ``nn.Linear`` whose
 checkpoint entry is quantized (``<name>.weight`` packed uint8 [N, K/2], ``<name>.weight_scale`` float8_e4m3fn
 [N, K/16], ``<name>.weight_scale_2`` the float32 decode scale amax/2688) becomes an ``NVFP4Linear``; stacked
@@ -281,3 +284,83 @@ def _aliases(model: nn.Module, converted: list[str]) -> list[list[str]]:
         groups.setdefault(id(tensor), []).append(name)
     persistent = set(model.state_dict())
     return [group for group in groups.values() if group[0] in persistent]
+
+
+def save_modelopt_nvfp4(
+    model: nn.Module,
+    folder: str | Path,
+    *,
+    expert_names: tuple[str, str, str] = EXPERT_NAMES[0],
+    max_file_bytes: int = 5 * 2**30,
+) -> list[Path]:
+    """Write ``model`` (quantized by ``integrations.transformers.quantize`` or loaded by ``load_modelopt_nvfp4``)
+    as a ModelOpt-format NVFP4 checkpoint into ``folder``: ``NVFP4Linear`` layers under their names, stacked
+    NVFP4 experts one expert and one projection at a time (``expert_names``: gate, up, down), every other tensor
+    as it is (a tied tensor once), in ``*.safetensors`` files of at most ``max_file_bytes``, with
+    ``hf_quant_config.json`` and, for a transformers model, its ``config.json``. ``load_modelopt_nvfp4`` reads it
+    back into a model built on the meta device, which is quicker than quantizing again. Returns the files
+    written."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "nvfp4", None)
+        if isinstance(experts, NVFP4Experts):
+            tensors |= _expert_tensors(name, experts, expert_names)
+            skipped.append(f"{name}.nvfp4.")
+    quantized = [name for name, module in model.named_modules() if isinstance(module, NVFP4Linear)]
+    unquantized = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    if not quantized and not skipped:
+        raise ValueError("the model has no NVFP4 layers or experts: quantize it first "
+                         "(integrations.transformers.quantize) or save it with save_pretrained")
+    seen: set[tuple] = set()
+    for key, tensor in model.state_dict().items():
+        same = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key.startswith(tuple(skipped)) or (tensor.numel() and same in seen):
+            continue  # tied weights (one tensor under two names) are saved once
+        seen.add(same)
+        tensors[key] = tensor.detach().contiguous().cpu()
+    files = []
+    for index, part in enumerate(_parts(tensors, max_file_bytes)):
+        path = folder / f"model-{index:05d}.safetensors"
+        save_file(part, str(path), metadata={"format": "pt"})
+        files.append(path)
+    quant = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": unquantized}
+    (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "piecewise"}, "quantization": quant},
+                                                            indent=2))
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):
+        config.to_json_file(str(folder / "config.json"))
+    return files
+
+
+def _expert_tensors(name: str, experts: NVFP4Experts, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+    """One expert and one projection at a time, as ModelOpt stores them."""
+    half = experts.gate_up.shape[1] // 2
+    decode = experts.gate_up_scale_2
+    tensors = {}
+    for e in range(experts.gate_up.shape[0]):
+        for j, (projection, rows) in enumerate(((names[0], slice(0, half)), (names[1], slice(half, None)))):
+            tensors[f"{name}.{e}.{projection}.weight"] = experts.gate_up[e, rows]
+            tensors[f"{name}.{e}.{projection}.weight_scale"] = experts.gate_up_scale[e, rows]
+            tensors[f"{name}.{e}.{projection}.weight_scale_2"] = decode[e, j] if decode.dim() == 2 else decode[e]
+        tensors[f"{name}.{e}.{names[2]}.weight"] = experts.down[e]
+        tensors[f"{name}.{e}.{names[2]}.weight_scale"] = experts.down_scale[e]
+        tensors[f"{name}.{e}.{names[2]}.weight_scale_2"] = experts.down_scale_2[e]
+    return {key: value.detach().contiguous().cpu().clone() for key, value in tensors.items()}
+
+
+def _parts(tensors: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    part, size = {}, 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if part and size + nbytes > max_bytes:
+            yield part
+            part, size = {}, 0
+        part[key] = tensor
+        size += nbytes
+    if part:
+        yield part
