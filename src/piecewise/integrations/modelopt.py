@@ -127,13 +127,10 @@ def load_modelopt_nvfp4(
         tensors, quant = checkpoint, quant_config
     _check_quant_config(quant)  # which layers are quantized is read from the tensors (weight_scale present)
     if device is None:
-        real = next((t.device for t in model.parameters() if t.device.type != "meta"), torch.device("cpu"))
-        device = real
+        device = next((t.device for t in model.parameters() if t.device.type != "meta"), torch.device("cpu"))
     device = torch.device(device)
     if key_map is not None:
-        renamed = {key_map(key): key for key in tensors}
-        source = tensors
-        tensors = _Renamed(source, renamed)
+        tensors = _Renamed(tensors, {key_map(key): key for key in tensors})
     used: set[str] = set()
 
     def take(key: str) -> torch.Tensor:
