@@ -26,6 +26,7 @@ has no place for raise ``ValueError`` naming them; tensors the model class decla
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -35,6 +36,8 @@ from torch import nn
 
 from ..kernels.nvfp4 import NVFP4Linear
 from ..models.glm_moe import NVFP4Experts
+
+logger = logging.getLogger(__name__)
 
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 """Per-expert checkpoint names of (gate, up, down): Llama-style, and Mixtral's."""
@@ -192,6 +195,13 @@ def load_modelopt_nvfp4(
         module.nvfp4 = loaded
         del module.gate_up_proj, module.down_proj
     _load_rest(model, {name: take(key) for name, key in state.items()}, device)
+    split = [e.gate_up_scale_2 for e in experts.values() if e.gate_up_scale_2.dim() == 2]
+    if split:
+        ratios = torch.cat([(s[:, 1] / s[:, 0]).float().cpu() for s in split])
+        differ = ratios != 1
+        logger.info("%d of %d experts have different gate and up global scales (up/gate from %.3g to %.3g): each "
+                    "half keeps its own", int(differ.sum()), ratios.numel(), float(ratios.min()), float(ratios.max()))
+    logger.info("loaded %d NVFP4 linear layers and %d expert groups", len(layers), len(experts))
     return sorted(converted)
 
 
