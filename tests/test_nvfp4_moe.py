@@ -85,7 +85,8 @@ def test_the_grouped_launches_compute_the_routed_sum(tokens, top_k):
     torch.testing.assert_close(moe_op(x, ids, weights, *t.values()), expected)  # the op's CPU path
 
 
-def test_grouped_kernel_builds_for_hopper_without_a_gpu():
+@pytest.mark.parametrize("halves", [False, True])  # one decode scale per expert, or one per gate/up half
+def test_grouped_kernel_builds_for_hopper_without_a_gpu(halves):
     pytest.importorskip("triton")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -96,7 +97,8 @@ def test_grouped_kernel_builds_for_hopper_without_a_gpu():
     names = ["x_ptr", "weight_ptr", "scales_ptr", "decode_ptr", "route_ptr", "out_ptr", "rows_ptr", "block_expert_ptr",
              "pairs", "out_features", "in_features", "stride_x_row", "stride_out_row", "x_row_div"]
     types = ["*bf16", "*u8", "*u8", "*fp32", "*fp32", "*fp32", "*i64", "*i64"] + ["i32"] * 6
-    constants = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "IS_FP16": False, "APPLY_ROUTE": True}
+    constants = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "IS_FP16": False, "APPLY_ROUTE": True,
+                 "HALVES": halves}
     signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
     source = ASTSource(fn=moe._grouped_kernel, signature=signature, constexprs=constants)
     try:
