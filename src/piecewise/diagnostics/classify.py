@@ -204,10 +204,12 @@ _TERSE_REASONS = {
 
 def short_message(reason: str, gb: str | None) -> str:
     lines = reason.strip().splitlines()
-    headline = gb or (lines[0].strip() if lines else "graph break")
-    for prefix, reworded in _TERSE_REASONS.items():
-        if headline.startswith(prefix):
-            return reworded
+    first = lines[0].strip() if lines else ""
+    headline = gb or first or "graph break"
+    for candidate in (headline, first):  # torch 2.11 labels some of these `constrain_as_size_example`
+        for prefix, reworded in _TERSE_REASONS.items():
+            if candidate.startswith(prefix):
+                return reworded
     explanation = _explanation(reason)
     if explanation and explanation.lower() != headline.lower():
         return f"{headline}: {explanation}"
