@@ -76,6 +76,7 @@ def modelopt_checkpoint(model: nn.Module, expert_names=("gate_proj", "up_proj", 
 
 
 def write(folder, tensors, quant=QUANT_CONFIG):
+    folder.mkdir(parents=True, exist_ok=True)
     save_file({key: value.contiguous() for key, value in tensors.items()}, str(folder / "model.safetensors"))
     (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
     return folder
@@ -333,3 +334,27 @@ def test_the_nvfp4_checkpoint_example_writes_reloads_and_generates():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "21 NVFP4 linear layers" in done.stdout and "reloaded logits equal the quantized model's: True" in done.stdout
     assert done.stdout.count("request ") == 3
+
+
+def test_piecewise_checkpoint_says_what_a_checkpoint_holds_and_what_is_wrong(tmp_path, capsys):
+    """``piecewise checkpoint FOLDER`` reads headers and decode scales only: quantized layers, experts, experts
+    whose gate and up scales differ, and (exit 1) a decode scale stored as an encode scale, named."""
+    from piecewise.cli import main
+
+    model = build("Qwen3Moe")
+    tensors, _ = modelopt_checkpoint(model)
+    good = write(tmp_path / "good", tensors)
+    assert main(["checkpoint", str(good), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"]
+    assert sorted(found["quantized"]) == sorted(linears) and found["problems"] == []
+    assert found["experts"] == {f"model.layers.{i}.mlp.experts": 4 for i in range(2)}
+    assert found["gate_up"]["differ"] == found["gate_up"]["of"] == 8
+    assert main(["checkpoint", str(good)]) == 0
+    assert "differ in 8 of 8 experts" in capsys.readouterr().out
+    layer = "model.layers.0.self_attn.o_proj"
+    bad = write(tmp_path / "bad", tensors | {f"{layer}.weight_scale_2": 1 / tensors[f"{layer}.weight_scale_2"]})
+    assert main(["checkpoint", str(bad), "--json"]) == 1
+    assert any(problem.startswith(f"{layer}.weight_scale_2 = ") and "encode scale" in problem
+               for problem in json.loads(capsys.readouterr().out)["problems"])
+    assert main(["checkpoint", str(tmp_path / "missing")]) == 2

@@ -1,6 +1,8 @@
 """The ``piecewise`` command line.
 
     piecewise doctor path/to/file.py:factory [--json]
+    piecewise run path/to/file.py:factory [--max-tokens N] [--compiler eager|inductor] [--json]
+    piecewise checkpoint path/to/nvfp4-checkpoint [--json]
 
 ``factory()`` returns ``(model, args)`` or ``(model, args, kwargs)``. Exit status: 0 capture-safe,
 1 blockers found (the report says which and how to fix them), 2 usage errors.
@@ -126,16 +128,20 @@ def _check_result(result: Any, where: str) -> Target:
 
 # --- subcommands ---------------------------------------------------------------------------------------
 
+def _subcommand(subparsers: argparse._SubParsersAction, name: str, handler, summary: str, description: str):
+    """Register subcommand ``name`` (``summary`` in ``piecewise --help``) run by ``handler(options)``."""
+    parser = subparsers.add_parser(name, help=summary, description=description)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
 def add_doctor(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "doctor",
-        help="list everything that stops a model from being captured, with fixes",
-        description="Run the model once eagerly, trace its forward with Dynamo and report every capture "
-        "blocker (kind, call chain, fix). Exit 0 when capture-safe, 1 when blockers were found.",
-    )
+    parser = _subcommand(
+        subparsers, "doctor", run_doctor, "list everything that stops a model from being captured, with fixes",
+        "Run the model once eagerly, trace its forward with Dynamo and report every capture "
+        "blocker (kind, call chain, fix). Exit 0 when capture-safe, 1 when blockers were found.")
     parser.add_argument("target", help="path/to/file.py:factory; factory() returns (model, args[, kwargs])")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(handler=run_doctor)
 
 
 def run_doctor(options: argparse.Namespace) -> int:
@@ -157,19 +163,16 @@ def run_doctor(options: argparse.Namespace) -> int:
 
 
 def add_run(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "run",
-        help="compile a model piecewise, run it, check it against eager and show what ran",
-        description="Compile the target's model with piecewise.compile, call it on the target's inputs "
+    parser = _subcommand(
+        subparsers, "run", run_run, "compile a model piecewise, run it, check it against eager and show what ran",
+        "Compile the target's model with piecewise.compile, call it on the target's inputs "
         "and on every capture size's worth of them, compare with eager and print the runtime's stats. "
-        "Exit 0 when outputs match eager, 1 when they do not.",
-    )
+        "Exit 0 when outputs match eager, 1 when they do not.")
     parser.add_argument("target", help="path/to/file.py:factory or module:factory; factory() returns (model, args[, kwargs])")
     parser.add_argument("--max-tokens", type=int, default=64, help="largest captured token count (default 64)")
     parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"], help="piece compiler")
     parser.add_argument("--strict", action="store_true", help="fail on anything Dynamo cannot trace")
     parser.add_argument("--json", action="store_true", help="print the stats as JSON")
-    parser.set_defaults(handler=run_run)
 
 
 def run_run(options: argparse.Namespace) -> int:
@@ -224,7 +227,50 @@ def run_run(options: argparse.Namespace) -> int:
     return EXIT_OK if matches else EXIT_BLOCKED
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_doctor, add_run]
+def add_checkpoint(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subcommand(
+        subparsers, "checkpoint", run_checkpoint,
+        "say what an NVFP4 checkpoint in ModelOpt's format holds, and what is wrong with it",
+        "Read a ModelOpt NVFP4 checkpoint's headers and decode scales (no weights): quantized layers, "
+        "experts, experts whose gate and up projections have different global scales (which vLLM and SGLang "
+        "fold into the gate's; load_modelopt_nvfp4 keeps both), and scales stored in the wrong convention. "
+        "Exit 0 when it loads as it is, 1 when something is wrong.")
+    parser.add_argument("folder", help="the checkpoint's folder (*.safetensors, hf_quant_config.json or config.json)")
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+
+def run_checkpoint(options: argparse.Namespace) -> int:
+    import json
+
+    from .integrations.modelopt import inspect_checkpoint
+
+    try:
+        found = inspect_checkpoint(options.folder)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if options.json:
+        print(json.dumps(found, indent=2, default=str))
+        return EXIT_OK if not found["problems"] else EXIT_BLOCKED
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"piecewise checkpoint {options.folder}", show_header=False)
+    table.add_row("quantization", f"{found['quant'].get('quant_algo')}, group size {found['quant'].get('group_size', 16)}")
+    table.add_row("NVFP4 linear layers", str(len(found["quantized"])))
+    table.add_row("NVFP4 expert groups", f"{len(found['experts'])} ({sum(found['experts'].values())} experts)")
+    table.add_row("other tensors", str(found["other"]))
+    gate_up = found["gate_up"]
+    if gate_up["of"]:
+        low, high = gate_up["ratio"]
+        table.add_row("gate / up global scales", f"differ in {gate_up['differ']} of {gate_up['of']} experts (up/gate "
+                      f"{low:.3g} .. {high:.3g}); load_modelopt_nvfp4 keeps both")
+    for problem in found["problems"]:
+        table.add_row("[red]problem[/red]", problem)
+    Console().print(table)
+    return EXIT_OK if not found["problems"] else EXIT_BLOCKED
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_doctor, add_run, add_checkpoint]
 
 
 def build_parser() -> argparse.ArgumentParser:
