@@ -232,8 +232,8 @@ def add_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         subparsers, "checkpoint", run_checkpoint,
         "say what an NVFP4 checkpoint in ModelOpt's format holds, and what is wrong with it",
         "Read a ModelOpt NVFP4 checkpoint's headers and decode scales (no weights): quantized layers, "
-        "experts, experts whose gate and up projections have different global scales (which vLLM and SGLang "
-        "fold into the gate's; load_modelopt_nvfp4 keeps both), and scales stored in the wrong convention. "
+        "experts, experts whose gate and up projections have different global scales (vLLM's fused-MoE loader "
+        "keeps the gate's for both; load_modelopt_nvfp4 keeps both), and scales stored in the wrong convention. "
         "Exit 0 when it loads as it is, 1 when something is wrong.")
     parser.add_argument("folder", help="the checkpoint's folder (*.safetensors, hf_quant_config.json or config.json)")
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
