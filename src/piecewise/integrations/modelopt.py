@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..kernels.nvfp4 import NVFP4Linear
+from ..kernels.nvfp4.module import encode_scale_problem
 from ..models.glm_moe import NVFP4Experts
 
 logger = logging.getLogger(__name__)
@@ -159,9 +160,9 @@ def load_modelopt_nvfp4(
                 raise ValueError(f"{name}: the checkpoint's weight is {layer.out_features} × {layer.in_features}, "
                                  f"the model's layer {module.out_features} × {module.in_features}")
             layers[name] = layer.to(device)
-        elif _is_experts(module) and _expert_names(tensors, name) is not None:
+        elif _is_experts(module) and (names := _expert_names(tensors, name)) is not None:
             try:
-                loaded = _load_experts(module, name, _expert_names(tensors, name), tensors, take, grouped_experts)
+                loaded = _load_experts(module, name, names, tensors, take, grouped_experts)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from exc
             experts[name] = loaded.to(device)
@@ -357,7 +358,8 @@ def _expert_tensors(name: str, experts: NVFP4Experts, names: tuple[str, str, str
         tensors[f"{name}.{e}.{names[2]}.weight"] = experts.down[e]
         tensors[f"{name}.{e}.{names[2]}.weight_scale"] = experts.down_scale[e]
         tensors[f"{name}.{e}.{names[2]}.weight_scale_2"] = experts.down_scale_2[e]
-    return {key: value.detach().contiguous().cpu().clone() for key, value in tensors.items()}
+    # copies: slices of one stacked tensor share its storage, which safetensors refuses to save
+    return {key: value.detach().to("cpu", copy=True).contiguous() for key, value in tensors.items()}
 
 
 def _parts(tensors: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -401,9 +403,9 @@ def inspect_checkpoint(folder: str | Path) -> dict:
             continue
         value = float(tensors[f"{prefix}.weight_scale_2"].float().reshape(-1)[0])
         scales[prefix] = value
-        if value > 1.0:
-            problems.append(f"{prefix}.weight_scale_2 = {value:.6g} looks like an encode scale (448·6/amax); "
-                            f"ModelOpt stores the decode scale amax/2688")
+        problem = encode_scale_problem(value, f"{prefix}.weight_scale_2")
+        if problem:
+            problems.append(problem)
     ratios = []
     for module, count in experts.items():
         names = next(n for n in EXPERT_NAMES if f"{module}.0.{n[0]}" in scales or f"{module}.0.{n[1]}" in scales)

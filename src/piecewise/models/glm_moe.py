@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.nvfp4 import global_scale_for, quantize
-from ..kernels.nvfp4.module import apply_keeping_scales
+from ..kernels.nvfp4.module import apply_keeping_scales, encode_scale_problem
 from ..kernels.nvfp4.moe import moe_nvfp4_reference
 from ..kernels.nvfp4.ops import moe_op
 from ..kernels.routing import routed_sum
@@ -153,9 +153,9 @@ class NVFP4Experts(nn.Module):
             if tuple(decode.shape) not in shapes or not bool(torch.isfinite(decode).all() and (decode > 0).all()):
                 raise ValueError(f"{name}_scale_2 must hold positive finite decode scales of shape "
                                  f"{' or '.join(str(list(shape)) for shape in shapes)}, got {tuple(decode.shape)}")
-            if float(decode.max()) > 1.0:
-                raise ValueError(f"{name}_scale_2 holds {float(decode.max()):.6g}, which looks like an encode scale "
-                                 f"(448·6/amax): checkpoints store the decode scale amax/2688; pass its reciprocal")
+            problem = encode_scale_problem(float(decode.max()), f"{name}_scale_2")
+            if problem:
+                raise ValueError(problem)
         if gate_up.shape[1] % 2 or down.shape[2] * 2 != gate_up.shape[1] // 2:
             raise ValueError(f"gate_up [E, 2I, H] and down [E, H, I] do not match: gate_up {tuple(gate_up.shape)} "
                              f"(packed), down {tuple(down.shape)} (packed)")

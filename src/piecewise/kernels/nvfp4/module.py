@@ -18,6 +18,16 @@ def _one_scale(value: torch.Tensor | float, name: str) -> torch.Tensor:
     return tensor.reshape(()).to(torch.float32)
 
 
+def encode_scale_problem(value: float, name: str) -> str | None:
+    """What is wrong with decode scale ``name`` = ``value``, or None. Mixing up the decode scale amax/2688 with
+    the encode scale 448·6/amax is the commonest NVFP4 bug: a decode scale above 1 means a weight amax above 2688,
+    which real weights never have, while an encode scale is almost always far above 1."""
+    if value <= 1.0:
+        return None
+    return (f"{name}={value:.6g} looks like an encode scale (448·6/amax, here amax would be {2688 / value:.4g}): "
+            f"checkpoints store the decode scale amax/2688. Pass its reciprocal ({1 / value:.6g})")
+
+
 _SAME_SIZE_INTEGER = {torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}
 
 
@@ -147,12 +157,9 @@ class NVFP4Linear(nn.Module):
         value = float(decode_scale)
         if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"weight_scale_2 must be positive and finite, got {value}")
-        if check_scale and value > 1.0:
-            raise ValueError(
-                f"weight_scale_2={value:.6g} looks like an encode scale (448·6/amax, here amax would be "
-                f"{2688 / value:.4g}): checkpoints store the decode scale amax/2688. Pass 1/weight_scale_2 "
-                f"({1 / value:.6g}), or check_scale=False if the weight's amax really exceeds 2688"
-            )
+        problem = encode_scale_problem(value, "weight_scale_2") if check_scale else None
+        if problem:
+            raise ValueError(f"{problem}, or check_scale=False if the weight's amax really exceeds 2688")
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias must have shape [{out_features}], got {tuple(bias.shape)}")
         device = weight.device
