@@ -83,3 +83,13 @@ def test_console_entry_runs_as_a_process() -> None:
     )
     assert result.returncode == 1, result.stderr
     assert "jit_subprocess" in result.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "no/such/file.py:factory"], ["doctor", "no-colon"]])
+def test_help_and_usage_errors_do_not_import_torch(argv: list[str]) -> None:
+    # Cold `piecewise --help` must stay fast: torch and Dynamo alone take seconds to import.
+    code = ("import sys; from piecewise.cli import main; status = main(%r); "
+            "sys.exit(10 + status if 'torch' in sys.modules else status)" % (argv,))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": SRC}, timeout=120)
+    assert done.returncode == (0 if argv == ["--help"] else 2), done.stderr

@@ -1,27 +1,50 @@
 """piecewise: piecewise CUDA graphs for PyTorch inference models.
 
-Trace the model once, cut the graph at ops that must run eagerly (attention, all-reduce, untraceable
-code), compile each piece, capture each piece as a CUDA graph per token count, replay with padding.
+Run the model's forward once per token count under capture, cut it at ops that must run eagerly
+(attention, all-reduce, untraceable code), capture the rest as CUDA graphs for a ladder of token counts,
+and replay them with padding.
+
+The public names load on first use, so ``piecewise --help`` and usage errors do not import torch.
 """
 
-from .config import CaptureConfig
-from .context import ForwardContext, context
-from .diagnostics import Blocker, CaptureBlockedError, DoctorReport, doctor
-from .opaque import opaque_op, wrap_opaque
-from .runtime import PiecewiseModel, compile
+from __future__ import annotations
 
-__all__ = [
-    "Blocker",
-    "CaptureBlockedError",
-    "DoctorReport",
-    "doctor",
-    "CaptureConfig",
-    "ForwardContext",
-    "PiecewiseModel",
-    "compile",
-    "context",
-    "opaque_op",
-    "wrap_opaque",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
 
+_EXPORTS = {
+    "Blocker": "piecewise.diagnostics",
+    "CaptureBlockedError": "piecewise.diagnostics",
+    "DoctorReport": "piecewise.diagnostics",
+    "doctor": "piecewise.diagnostics",
+    "CaptureConfig": "piecewise.config",
+    "ForwardContext": "piecewise.context",
+    "context": "piecewise.context",
+    "opaque_op": "piecewise.opaque",
+    "wrap_opaque": "piecewise.opaque",
+    "PiecewiseModel": "piecewise.runtime",
+    "compile": "piecewise.runtime",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .config import CaptureConfig
+    from .context import ForwardContext, context
+    from .diagnostics import Blocker, CaptureBlockedError, DoctorReport, doctor
+    from .opaque import opaque_op, wrap_opaque
+    from .runtime import PiecewiseModel, compile
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'piecewise' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -145,9 +145,10 @@ def add_doctor(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_doctor(options: argparse.Namespace) -> int:
+    target = load_target(options.target)  # first: a bad target is a usage error before torch is imported
+
     from piecewise.diagnostics import doctor
 
-    target = load_target(options.target)
     if options.json:  # keep stdout pure JSON even if the model prints
         with contextlib.redirect_stdout(sys.stderr):
             report = doctor(target.model, *target.args, **target.kwargs)
@@ -179,11 +180,12 @@ def run_run(options: argparse.Namespace) -> int:
     import copy
     import json
 
+    target = load_target(options.target)  # first: a bad target is a usage error before torch is imported
+
     import torch
 
     import piecewise
 
-    target = load_target(options.target)
     try:
         config = piecewise.CaptureConfig(max_tokens=options.max_tokens, compiler=options.compiler, strict=options.strict)
     except ValueError as exc:
