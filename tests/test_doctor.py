@@ -19,17 +19,16 @@ import blocker_models as bm  # noqa: E402
 import fakejit  # noqa: E402
 import fakejit.quant  # noqa: E402
 
+from piecewise import DoctorReport, doctor  # noqa: E402
 from piecewise.diagnostics import (  # noqa: E402
     FIXES,
     Blocker,
     CaptureBlockedError,
-    DoctorReport,
     Frame,
     blockers_from_exception,
-    doctor,
     find_blockers,
 )
-doctor_module = importlib.import_module("piecewise.diagnostics.doctor")  # the package's `doctor` is the function
+doctor_module = importlib.import_module("piecewise.diagnose")  # the package's `doctor` is the function
 
 MODELS_FILE = os.path.realpath(bm.__file__)
 ENV_FILE = os.path.realpath(os.path.join(FIXTURES, "fakejit", "env.py"))

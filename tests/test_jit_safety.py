@@ -18,9 +18,9 @@ import fakejit.quant  # noqa: E402
 import piecewise  # noqa: E402
 
 
-def test_default_runs_the_untraceable_region_eagerly_with_one_warning():
+def test_dynamo_runs_the_untraceable_region_eagerly_with_one_warning():
     model = bm.JitModel()
-    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outputs = [(runner(x), x) for x in (bm.example_input(3), bm.example_input(5), bm.example_input(8))]

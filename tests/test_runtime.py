@@ -135,7 +135,7 @@ def test_padding_never_leaks_and_splitting_ops_see_real_rows():
             assert seen_rows[-1] == (tokens, tokens, 8)  # (an eager warm-up call may come first)
             assert torch.isfinite(out).all()
             torch.testing.assert_close(out, model(x))
-            buffer = runner.state.graph_runners[0].splitting_ops[0].buffers[0]
+            buffer = runner.frontend.graph_runners[0].splitting_ops[0].buffers[0]
             assert torch.count_nonzero(buffer[tokens:]) == 0, "rows past the real tokens must read zero"
 
 
@@ -345,7 +345,7 @@ def test_direct_call_that_cannot_check_guards_falls_back_to_dynamo(caplog):
             return self.linear(x) * 2
 
     model = Doubled()
-    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
     x = torch.randn(3, 4)
     with torch.no_grad():
         runner(x)
@@ -353,7 +353,7 @@ def test_direct_call_that_cannot_check_guards_falls_back_to_dynamo(caplog):
         def incompatible(frame_locals):  # what a torch with another guard-check signature would do
             raise TypeError("check() needs a frame")
 
-        runner._tracer.direct.check = incompatible
+        runner.frontend.tracer.direct.check = incompatible
         for _ in range(2):
             torch.testing.assert_close(runner(x), model(x))
     assert runner.stats["direct_calls"] == 1 and runner.stats["traces"] == 1  # the first call's, before the swap

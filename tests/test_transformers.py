@@ -71,7 +71,8 @@ def test_the_runtime_names_the_blockers_of_transformers_eager_expert_loop_instea
 
     from piecewise.diagnostics import CaptureBlockedError
 
-    runner = piecewise.compile(TokenModel(glm_moe(experts_implementation="eager")), piecewise.CaptureConfig(max_tokens=16))
+    runner = piecewise.compile(TokenModel(glm_moe(experts_implementation="eager")),
+                               piecewise.CaptureConfig(max_tokens=16, frontend="dynamo"))
     with torch.no_grad(), warnings.catch_warnings(), pytest.raises(CaptureBlockedError) as failure:
         warnings.simplefilter("ignore")
         runner(torch.randint(0, 256, (9,)), torch.arange(9))

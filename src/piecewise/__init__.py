@@ -12,27 +12,29 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# Light modules (no torch import) are bound now: a later import of the submodule piecewise.context would
+# otherwise shadow the function of the same name.
+from .config import CaptureConfig
+from .context import ForwardContext, context
+
 _EXPORTS = {
     "Blocker": "piecewise.diagnostics",
-    "CaptureBlockedError": "piecewise.diagnostics",
-    "DoctorReport": "piecewise.diagnostics",
-    "doctor": "piecewise.diagnostics",
-    "CaptureConfig": "piecewise.config",
-    "ForwardContext": "piecewise.context",
-    "context": "piecewise.context",
+    "CaptureBlockedError": "piecewise.errors",
+    "DoctorReport": "piecewise.diagnose",
+    "doctor": "piecewise.diagnose",
     "opaque_op": "piecewise.opaque",
     "wrap_opaque": "piecewise.opaque",
     "PiecewiseModel": "piecewise.runtime",
     "compile": "piecewise.runtime",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "CaptureConfig", "ForwardContext", "context"])
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .config import CaptureConfig
-    from .context import ForwardContext, context
-    from .diagnostics import Blocker, CaptureBlockedError, DoctorReport, doctor
+    from .diagnostics import Blocker
+    from .diagnose import DoctorReport, doctor
+    from .errors import CaptureBlockedError
     from .opaque import opaque_op, wrap_opaque
     from .runtime import PiecewiseModel, compile
 

@@ -147,7 +147,7 @@ def add_doctor(subparsers: argparse._SubParsersAction) -> None:
 def run_doctor(options: argparse.Namespace) -> int:
     target = load_target(options.target)  # first: a bad target is a usage error before torch is imported
 
-    from piecewise.diagnostics import doctor
+    from piecewise.diagnose import doctor
 
     if options.json:  # keep stdout pure JSON even if the model prints
         with contextlib.redirect_stdout(sys.stderr):

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 SIZE_SCHEDULES = ("vllm", "sglang")
 COMPILERS = ("eager", "inductor")
+FRONTENDS = ("auto", "dynamo", "breakable")
+DEFAULT_MAX_TOKENS = 512
 
 
 def vllm_sizes(max_tokens: int) -> list[int]:
@@ -39,8 +41,10 @@ class CaptureConfig:
     """Token counts that get a CUDA graph. None: the ``size_schedule`` ladder up to ``max_tokens``
     (``max_tokens`` itself is added when the ladder does not end on it)."""
 
-    max_tokens: int = 512
-    """Largest token count served by graphs; larger calls run the compiled pieces without graphs."""
+    max_tokens: int | None = None
+    """Largest token count served by graphs; larger calls run without graphs. None: the largest of
+    ``capture_sizes`` when they are given, else 512. Given together with ``capture_sizes``, it must equal their
+    largest size (the top of the graphs)."""
 
     size_schedule: str = "vllm"
     """Default ladder when ``capture_sizes`` is None: ``"vllm"`` (51 sizes at 512) or ``"sglang"`` (58 at 8192)."""
@@ -53,9 +57,21 @@ class CaptureConfig:
     """How each piece is compiled: ``"eager"`` (the FX graph as is) or ``"inductor"`` (once, for the symbolic
     token dimension)."""
 
+    frontend: str = "auto"
+    """How the forward is turned into pieces. ``"dynamo"``: one Dynamo trace split into FX pieces at the splitting
+    ops (pieces can be compiled with Inductor). ``"breakable"``: no tracing; the forward's Python runs under
+    stream capture and each splitting op ends one graph and starts the next (cannot fail on Python Dynamo cannot
+    trace; pieces are not compiled). ``"auto"``: Dynamo when it traces the forward with no blocker, else
+    breakable, with one warning naming each blocker and the fix that would bring Dynamo back."""
+
+    max_padding_factor: float | None = None
+    """Run a call without graphs when its capture size is more than this factor above its real token count
+    (SGLang uses 2 for prefill). None: every call up to the top of the graphs is padded and replayed."""
+
     strict: bool = False
-    """False: code Dynamo cannot trace becomes one more split point that runs eagerly, with one warning.
-    True: raise ``piecewise.CaptureBlockedError`` naming the blocker, its call chain and the fix."""
+    """True: the Dynamo front-end must take the forward whole. Code Dynamo cannot trace raises
+    ``piecewise.CaptureBlockedError`` naming the blocker, its call chain and the fix, instead of the fallback
+    (``frontend="auto"``: breakable; ``frontend="dynamo"``: one more eager region, with one warning)."""
 
     cuda_graphs: bool = True
     """Capture CUDA graphs when the model runs on CUDA. False: pieces always run without graphs."""
@@ -65,8 +81,15 @@ class CaptureConfig:
     graph-owned memory, valid until the next call, as vLLM and SGLang do."""
 
     _sizes: list[int] = field(init=False, repr=False, compare=False)
+    _top_given: bool = field(init=False, repr=False, compare=False, default=True)
 
     def __post_init__(self) -> None:
+        if self.max_tokens is None:
+            explicit = self.capture_sizes is not None and list(self.capture_sizes)
+            self.max_tokens = max(explicit) if explicit and all(isinstance(v, int) and v >= 1 for v in explicit) else DEFAULT_MAX_TOKENS
+            self._top_given = False
+        else:
+            self._top_given = True
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"CaptureConfig.max_tokens must be a positive int, got {self.max_tokens!r}")
         if self.size_schedule not in SIZE_SCHEDULES:
@@ -75,6 +98,17 @@ class CaptureConfig:
             )
         if self.compiler not in COMPILERS:
             raise ValueError(f"CaptureConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        if self.frontend not in FRONTENDS:
+            raise ValueError(f"CaptureConfig.frontend must be one of {FRONTENDS}, got {self.frontend!r}")
+        if self.frontend == "breakable" and self.compiler != "eager":
+            raise ValueError(
+                f"CaptureConfig.frontend='breakable' runs the model's own Python under capture and compiles nothing, "
+                f"so CaptureConfig.compiler must be 'eager', got compiler={self.compiler!r}: use frontend='dynamo' "
+                f"(or 'auto') for {self.compiler!r} pieces"
+            )
+        factor = self.max_padding_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1):
+            raise ValueError(f"CaptureConfig.max_padding_factor must be None or a number >= 1, got {factor!r}")
         for name in ("strict", "cuda_graphs", "clone_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CaptureConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -113,6 +147,13 @@ class CaptureConfig:
             )
         if not sizes:
             raise ValueError("CaptureConfig.capture_sizes is empty; give at least one size or None for the default")
+        if self._top_given and max(sizes) < self.max_tokens:
+            raise ValueError(
+                f"CaptureConfig.capture_sizes tops at {max(sizes)} but max_tokens={self.max_tokens}: calls of "
+                f"{max(sizes) + 1}..{self.max_tokens} tokens would have no graph to pad to. Leave max_tokens out "
+                f"(the largest capture size is the top of the graphs; larger calls run without graphs) or add "
+                f"{self.max_tokens} to capture_sizes"
+            )
         return sorted(sizes)
 
     @property
@@ -121,5 +162,7 @@ class CaptureConfig:
         return list(self._sizes)
 
     def replace(self, **changes) -> "CaptureConfig":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again); a ``max_tokens`` that was derived stays derived."""
+        if not self._top_given:
+            changes.setdefault("max_tokens", None)
         return dataclasses.replace(self, **changes)

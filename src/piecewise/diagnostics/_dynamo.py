@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
+from piecewise.graph.stack import node_stack, normalise_frame, parse_stack_text
+
+__all__ = ["node_stack", "parse_stack_text"]
+
 logger = logging.getLogger(__name__)
 
 # Dynamo names the graph input that carries a hoisted Python ``random`` call ``random_value_<n>``.
 _RANDOM_VALUE_PREFIX = "random_value_"
-# Functions Dynamo generates to resume a frame after a graph break: ``torch_dynamo_resume_in_<fn>_at_<line>``.
-_RESUME_NAME = re.compile(r"^(?:torch_dynamo_resume_in_|__resume_at_)(?P<name>.+?)_at_\d+$")
-_FRAME_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+?)\s*$')
 
 
 @dataclass
@@ -89,50 +90,16 @@ def exception_stack(exc: BaseException) -> list[traceback.FrameSummary]:
     """
     stack = getattr(exc, "real_stack", None)
     if stack:
-        return [_normalise(frame) for frame in stack]
+        return [normalise_frame(frame) for frame in stack]
     parsed = parse_stack_text(str(exc).partition("from user code:")[2])
     if parsed:
         return parsed
     innermost = getattr(exc, "innermost_user_frame_summary", None)
     if isinstance(innermost, traceback.FrameSummary):
-        return [_normalise(innermost)]
+        return [normalise_frame(innermost)]
     return []
 
 
-def parse_stack_text(text: str) -> list[traceback.FrameSummary]:
-    """Frames from text in Python's traceback format (``File "f.py", line 3, in fn`` + source line)."""
-    frames: list[traceback.FrameSummary] = []
-    lines = text.splitlines()
-    for index, line in enumerate(lines):
-        match = _FRAME_LINE.match(line)
-        if match is None:
-            continue
-        source = lines[index + 1].strip() if index + 1 < len(lines) else ""
-        if _FRAME_LINE.match(source) or set(source) <= {"^", "~", " "}:
-            source = ""
-        frames.append(
-            _normalise(
-                traceback.FrameSummary(
-                    match["file"], int(match["line"]), match["name"], lookup_line=False, line=source or None
-                )
-            )
-        )
-    return frames
-
-
-def _normalise(frame: Any) -> traceback.FrameSummary:
-    """A FrameSummary with Dynamo's resume-function names mapped back to the user's function name."""
-    name = getattr(frame, "name", "?")
-    match = _RESUME_NAME.match(name)
-    if match is None and isinstance(frame, traceback.FrameSummary):
-        return frame
-    return traceback.FrameSummary(
-        getattr(frame, "filename", "?"),
-        getattr(frame, "lineno", 0) or 0,
-        match["name"] if match else name,
-        lookup_line=False,
-        line=getattr(frame, "line", None),
-    )
 
 
 def explain(fn: Callable, args: tuple, kwargs: dict) -> ExplainResult:
@@ -144,7 +111,7 @@ def explain(fn: Callable, args: tuple, kwargs: dict) -> ExplainResult:
     breaks = []
     for entry in getattr(output, "break_reasons", None) or []:
         reason = getattr(entry, "reason", None) or str(entry)
-        stack = [_normalise(frame) for frame in (getattr(entry, "user_stack", None) or [])]
+        stack = [normalise_frame(frame) for frame in (getattr(entry, "user_stack", None) or [])]
         breaks.append(BreakReason(reason=reason, stack=stack))
     graphs = [graph for graph in (getattr(output, "graphs", None) or []) if isinstance(graph, torch.fx.GraphModule)]
     return ExplainResult(breaks=breaks, graphs=graphs)
@@ -169,12 +136,6 @@ def fullgraph_error(fn: Callable, args: tuple, kwargs: dict) -> BaseException | 
     finally:
         reset()
     return None
-
-
-def node_stack(node: torch.fx.Node) -> list[traceback.FrameSummary]:
-    """User frames that produced an FX node (from ``node.meta["stack_trace"]``), outermost first."""
-    text = node.meta.get("stack_trace") if hasattr(node, "meta") else None
-    return parse_stack_text(text) if isinstance(text, str) else []
 
 
 def is_python_random_input(node: torch.fx.Node) -> bool:

@@ -22,7 +22,8 @@ import torch
 from piecewise import _compat
 from piecewise.diagnostics import _dynamo
 from piecewise.diagnostics.classify import FIXES, KINDS, analyse, jit_fix
-from piecewise.split import accumulates, describe_write, writes_to_inputs
+from piecewise.errors import CaptureBlockedError
+from piecewise.graph.writes import accumulates, describe_write, writes_to_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -98,18 +99,6 @@ class Blocker:
             ],
             "fix": self.fix,
         }
-
-
-class CaptureBlockedError(RuntimeError):
-    """The forward cannot be captured; ``.blockers`` lists why, where, and how to fix each."""
-
-    def __init__(self, blockers: list[Blocker], headline: str | None = None) -> None:
-        self.blockers = list(blockers)
-        head = headline or (
-            f"the forward cannot be captured into CUDA graphs: {len(self.blockers)} blocker(s), each with its "
-            f"call chain and fix below (piecewise.doctor(model, *args) checks a model the same way)."
-        )
-        super().__init__("\n\n".join([head, *(blocker.format() for blocker in self.blockers)]))
 
 
 TRANSFORMERS_HINT = (

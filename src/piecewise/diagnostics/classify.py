@@ -17,23 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from piecewise.errors import BlockerKind
+
 logger = logging.getLogger(__name__)
 
-KINDS = (
-    "jit_subprocess",
-    "host_sync",
-    "data_dependent_shape",
-    "compiler_disabled",
-    "python_rng",
-    "logging",
-    "unsupported_context_manager",
-    "unsupported_builtin",
-    "capture_illegal",
-    "state_update",
-    "token_mixing",
-    "token_branch",
-    "token_argument_write",
-)
+KINDS = tuple(kind.value for kind in BlockerKind)
 
 FIXES: dict[str, str] = {
     "jit_subprocess": (

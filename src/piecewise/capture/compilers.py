@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from .. import _compat
 
 
 class PieceCompiler:

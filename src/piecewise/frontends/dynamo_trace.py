@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from .. import _compat
+from ..diagnostics.blockers import blockers_from_exception, find_blockers
+from ..errors import CaptureBlockedError, ForwardRefused
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +82,24 @@ class DirectCall:
         return True, self.function(self.owner, **kwargs)
 
 
-class ForwardTracer:
-    """Calls the Dynamo-compiled forward; handles the first trace's failure modes."""
+class DynamoBlocked(Exception):
+    """Dynamo cannot trace the forward as one graph (``frontend="auto"`` then takes the breakable front-end)."""
 
-    def __init__(self, model: torch.nn.Module, backend: Callable, strict: bool):
+    def __init__(self, blockers: list[Any]):
+        super().__init__(f"{len(blockers)} Dynamo blocker(s)")
+        self.blockers = blockers
+
+
+class ForwardTracer:
+    """Calls the Dynamo-compiled forward; handles the first trace's failure modes.
+
+    ``on_blocker``: ``"raise"`` (strict: ``CaptureBlockedError``), ``"break"`` (graph breaks, one warning per
+    blocker) or ``"report"`` (``DynamoBlocked``, for the automatic choice of front-end)."""
+
+    def __init__(self, model: torch.nn.Module, backend: Callable, on_blocker: str):
         self.model = model
         self.backend = backend
-        self.strict = strict
+        self.on_blocker = on_blocker
         self.method = _compat.fresh_method(model.forward)
         self.compiled = torch.compile(
             self.method, backend=backend, fullgraph=True, dynamic=False, options=_compat.compile_options()
@@ -98,6 +111,7 @@ class ForwardTracer:
         self.direct_calls = 0
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        """Run the forward through Dynamo (the first call traces; later ones skip Dynamo's frame hook)."""
         if self.direct is not None and not args:
             done, output = self.direct(kwargs)
             if done:
@@ -115,7 +129,7 @@ class ForwardTracer:
                     output = self._trace_with_breaks(exc, args, kwargs)
         except _compat.BackendCompilerFailed as exc:
             inner = getattr(exc, "inner_exception", None)
-            if isinstance(inner, ValueError):  # piecewise's own message for the user: no Dynamo wrapping
+            if isinstance(inner, ForwardRefused):  # piecewise's own message for the user: no Dynamo wrapping
                 raise inner from None
             raise
         self.first_trace_done = True
@@ -124,13 +138,13 @@ class ForwardTracer:
         return output
 
     def _trace_with_breaks(self, exc: Exception, args: tuple, kwargs: dict) -> Any:
-        from .diagnostics import CaptureBlockedError, blockers_from_exception, find_blockers
-
         blockers = find_blockers(_compat.fresh_method(self.model.forward), args, kwargs)
         if not blockers:
             blockers = blockers_from_exception(exc)
-        if self.strict:
+        if self.on_blocker == "raise":
             raise CaptureBlockedError(blockers) from None
+        if self.on_blocker == "report":
+            raise DynamoBlocked(blockers) from None
         for blocker in blockers:
             warnings.warn(
                 "piecewise: this region cannot be traced and runs eagerly between captured pieces "
@@ -147,7 +161,7 @@ class ForwardTracer:
         )
         try:
             return self.compiled(*args, **kwargs)
-        except (ValueError, _compat.BackendCompilerFailed):
+        except (ForwardRefused, _compat.BackendCompilerFailed):
             raise  # piecewise's own refusals (the caller unwraps them)
         except Exception as failure:  # noqa: BLE001 - Dynamo failing inside the model: the blockers instead
             first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""

@@ -1,0 +1,53 @@
+"""What the runners of one compiled model share: the call being run (one frozen descriptor) and the pool."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Phase(enum.Enum):
+    """What a call does with the graphs."""
+
+    DIRECT = "direct"
+    """No padding, no graphs (above the top of the graphs, or outside a piecewise call)."""
+    PADDED = "padded"
+    """Padded to the capture size; everything runs without graphs (CPU, rehearsals, a size with no graph)."""
+    CAPTURE = "capture"
+    """Padded; each piece records its graph for this size, then replays it once."""
+    REPLAY = "replay"
+    """Padded; each piece replays its graph for this size."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call, decided by the runtime before the forward runs and read by every runner."""
+
+    phase: Phase
+    size: int
+    """Token count the pieces run at: the capture size, or the real count for a direct call."""
+    num_tokens: int
+    """Real token count."""
+
+
+IDLE = Call(Phase.DIRECT, 0, 0)
+
+
+@dataclass
+class CaptureState:
+    """Shared by the runners of one compiled model. ``call`` is written only by ``PiecewiseModel.run_call``."""
+
+    max_tokens: int
+    call: Call = IDLE
+    graphs_enabled: bool = False
+    capture_done: bool = False
+    pool: Any = None
+    stable_ptrs: set[int] = field(default_factory=set)
+    """Addresses that never move: parameters, buffers, static arguments, piecewise's input buffers."""
+    token_outputs: dict[int, bool] = field(default_factory=dict)
+    """id of each tensor a graph returned in this call → whether it carries the token dimension."""
+    captured_this_size: list[Any] = field(default_factory=list)
+    """Runners that recorded a graph for the size being captured (their outputs become non-owning aliases)."""
+    replays: int = 0
+    splitting_op_calls: int = 0

@@ -1,0 +1,79 @@
+"""What a runner did, as a typed object tests can ``expect(...)`` on; it reads like a dict for printing."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Stats(MutableMapping):
+    """Counters and facts of one ``PiecewiseModel`` (``runner.stats``)."""
+
+    frontend: str = ""
+    """The front-end in use: ``"dynamo"`` or ``"breakable"`` (empty before the first call)."""
+    frontend_reason: str = ""
+    """Why ``frontend="auto"`` chose it."""
+    pieces: int = 0
+    """Captured pieces per size: FX pieces (Dynamo) or graph segments between splitting-op calls (breakable)."""
+    splitting_op_calls: int = 0
+    """Splitting-op calls in the last call."""
+    eager_writes: int = 0
+    """In-place writes into static tensors cut out of the pieces and run between them (Dynamo)."""
+    capture_sizes: list[int] = field(default_factory=list)
+    """Token counts that get graphs."""
+    size_notes: list[str] = field(default_factory=list)
+    """Why the capture sizes differ from the configured ones (e.g. one-token calls padded to 2)."""
+    captured_sizes: list[int] = field(default_factory=list)
+    graphs: int = 0
+    capture_seconds: float = 0.0
+    pool_bytes: int = 0
+    cuda_graphs: bool = False
+    replays: int = 0
+    """Graph replays (one per piece and size replayed)."""
+    fallback_calls: int = 0
+    """Calls run without padding or graphs: above the top of the graphs, or over ``max_padding_factor``."""
+    padded_calls: int = 0
+    traces: int = 0
+    """Dynamo traces (0 with the breakable front-end)."""
+    direct_calls: int = 0
+    """Calls that skipped Dynamo's frame hook (Dynamo front-end)."""
+    graph_breaks: int = 0
+    prewarm_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in _FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in _FIELDS:
+            raise KeyError(f"Stats has no field {key!r}; fields: {sorted(_FIELDS)}")
+        setattr(self, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError("Stats fields cannot be deleted")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_FIELDS)
+
+    def __repr__(self) -> str:
+        return f"Stats({dict(self)!r})"
+
+    def expect(self, **expected: Any) -> None:
+        """Raise ``AssertionError`` listing every field whose value differs from ``expected``."""
+        unknown = sorted(set(expected) - set(_FIELDS))
+        if unknown:
+            raise KeyError(f"Stats has no field(s) {unknown}; fields: {sorted(_FIELDS)}")
+        wrong = {key: (getattr(self, key), value) for key, value in expected.items() if getattr(self, key) != value}
+        if wrong:
+            raise AssertionError("; ".join(f"{key}: {got!r} != expected {want!r}" for key, (got, want) in wrong.items()))
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Stats))

@@ -1,0 +1,60 @@
+"""Every exception a user of piecewise can meet, and the blocker kinds they carry."""
+
+from __future__ import annotations
+
+import enum
+import traceback
+from typing import Any
+
+
+class BlockerKind(str, enum.Enum):
+    """What stops a forward from being captured. A ``str`` enum: ``BlockerKind.HOST_SYNC == "host_sync"``."""
+
+    JIT_SUBPROCESS = "jit_subprocess"
+    HOST_SYNC = "host_sync"
+    DATA_DEPENDENT_SHAPE = "data_dependent_shape"
+    COMPILER_DISABLED = "compiler_disabled"
+    PYTHON_RNG = "python_rng"
+    LOGGING = "logging"
+    UNSUPPORTED_CONTEXT_MANAGER = "unsupported_context_manager"
+    UNSUPPORTED_BUILTIN = "unsupported_builtin"
+    CAPTURE_ILLEGAL = "capture_illegal"
+    STATE_UPDATE = "state_update"
+    TOKEN_MIXING = "token_mixing"
+    TOKEN_BRANCH = "token_branch"
+    TOKEN_ARGUMENT_WRITE = "token_argument_write"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ForwardRefused(ValueError):
+    """A forward piecewise cannot run correctly with padding and repeated first-call runs. ``kind`` is the
+    doctor's blocker kind; ``chain`` the model frames involved, forward first."""
+
+    def __init__(self, message: str, kind: str, chain: list[traceback.FrameSummary] | None = None):
+        super().__init__(message)
+        self.kind = BlockerKind(kind)
+        self.chain = list(chain or [])
+
+
+class CaptureFailed(RuntimeError):
+    """An operation is illegal during CUDA-graph capture. ``node`` is the FX node (Dynamo front-end) and
+    ``chain`` the model frames (breakable front-end) where it happened, when known."""
+
+    def __init__(self, message: str, node: Any = None, chain: list[traceback.FrameSummary] | None = None):
+        super().__init__(message)
+        self.node = node
+        self.chain = list(chain or [])
+
+
+class CaptureBlockedError(RuntimeError):
+    """The forward cannot be captured; ``.blockers`` lists why, where, and how to fix each."""
+
+    def __init__(self, blockers: list[Any], headline: str | None = None) -> None:
+        self.blockers = list(blockers)
+        head = headline or (
+            f"the forward cannot be captured into CUDA graphs: {len(self.blockers)} blocker(s), each with its "
+            f"call chain and fix below (piecewise.doctor(model, *args) checks a model the same way)."
+        )
+        super().__init__("\n\n".join([head, *(blocker.format() for blocker in self.blockers)]))

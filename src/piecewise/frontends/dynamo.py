@@ -1,0 +1,203 @@
+"""The Dynamo front-end: one whole-model trace (token dimension symbolic), split into FX pieces at the splitting
+ops; each piece compiled once (``eager`` or ``inductor``) and captured per size by the back half.
+
+The backend refuses what padding would break (a branch on the token count, a write into a token argument, a
+state update from its own value) and cuts in-place writes into static tensors out of the pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..capture.compilers import make_compiler
+from ..capture.ladder import Ladder
+from ..capture.state import CaptureState
+from ..capture.stats import Stats
+from ..config import CaptureConfig
+from ..errors import ForwardRefused
+from ..graph.stack import node_stack
+from ..graph.tokens import is_token_tensor, token_mixing_nodes, user_line
+from ..graph.writes import accumulates, describe_write, writes_to_inputs
+from ..opaque import op_name, splitting_op_names
+from .dynamo_graph import GraphRunner
+from .dynamo_trace import ForwardTracer
+
+logger = logging.getLogger(__name__)
+
+
+class DynamoFrontend:
+    """Runs the forward through one Dynamo trace whose backend returns ``GraphRunner``s."""
+
+    name = "dynamo"
+
+    def __init__(self, model: torch.nn.Module, config: CaptureConfig, state: CaptureState, ladder: Ladder,
+                 stats: Stats, describe_change: Callable[[], str], on_blocker: str):
+        self.config = config
+        self.state = state
+        self.ladder = ladder
+        self.stats = stats
+        self.describe_change = describe_change
+        self.compiler = make_compiler(config.compiler)
+        self.graph_runners: list[GraphRunner] = []
+        self.tracer = ForwardTracer(model, self.backend, on_blocker)
+        self.traced_in_call = False
+
+    def splitting_ops(self) -> frozenset[str]:
+        return frozenset(self.config.splitting_ops) if self.config.splitting_ops is not None else splitting_op_names()
+
+    def run(self, arguments: dict[str, Any]) -> Any:
+        """The forward on ``arguments`` (staged for a padded call) for ``state.call``."""
+        self.traced_in_call = False
+        replays = self.state.replays
+        output = self.tracer((), arguments)
+        if self.traced_in_call:
+            self.stats.traces += 1
+        self.stats.replays += self.state.replays - replays
+        self.stats.direct_calls = self.tracer.direct_calls
+        return output
+
+    def release(self) -> None:
+        """Drop every captured graph; the pieces run without graphs from now on."""
+        for runner in self.graph_runners:
+            runner.graphs_allowed = False
+            for piece in runner.pieces:
+                piece.graphs.clear()
+                piece.outputs.clear()
+
+    def graph_count(self) -> int:
+        return sum(len(piece.graphs) for runner in self.graph_runners for piece in runner.pieces)
+
+    # --- the backend ------------------------------------------------------------------------------------
+
+    def backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
+        self._check_token_guards(example_inputs)
+        token_inputs = [node for node in graph.graph.nodes
+                        if node.op == "placeholder" and is_token_tensor(node.meta.get("example_value"))]
+        for writer, placeholder in writes_to_inputs(graph, token_inputs):
+            what = op_name(writer.target) or f".{writer.target}()"
+            raise ForwardRefused(
+                f"piecewise: {what} writes in place into {_compat.argument_source(placeholder)}, which piecewise "
+                f"takes for a token argument (its dimension 0 has the call's token count). Token arguments are "
+                f"copied into padded buffers on every call, so the write would be lost. If it is state kept "
+                f"across calls (a cache whose first dimension happens to equal the token count), compile with "
+                f"dynamic={{...}} naming only the real token arguments.",
+                "token_argument_write", node_stack(writer),
+            )
+        splitting = self.splitting_ops()
+        runner = GraphRunner(graph, self.state, self.compiler, splitting, static_writes(graph, token_inputs, splitting))
+        self.graph_runners.append(runner)
+        self._on_new_graph(runner)
+        return runner
+
+    def _check_token_guards(self, example_inputs: list) -> None:
+        sizes = self.ladder.sizes
+        failures = _compat.token_guard_failures(example_inputs, sizes)
+        if failures and {size for _, _, size in failures} == {1} and len(sizes) > 1 and self.stats.traces == 0 \
+                and not self.state.capture_done:
+            # The trace assumes more than one token (a broadcasting check in indexing or copy_, DeepSeek-V3's
+            # key assembly): one-token calls are padded to the next size instead, where the graph is valid.
+            condition, where, _ = failures[0]
+            self.ladder.drop_one(f"the trace assumes more than one token (`{condition}` at {where})")
+            logger.info("piecewise: %s", self.ladder.notes[-1])
+            return
+        if failures:
+            condition, where, size = failures[0]
+            hint = ""
+            if size == 1 and re.fullmatch(r"(Ne|Eq)\(\w+,1\)", condition.replace(" ", "")):
+                hint = (" A check against one token usually comes from broadcasting, e.g. in `x[index] = values`: "
+                        "`x.index_copy_(0, index, values)` or `x.index_put_((index,), values)` trace without it.")
+            located = re.search(r"# (\S+):(\d+) in (\w+)", where)
+            raise ForwardRefused(
+                f"piecewise: the forward depends on the token count: it evaluates `{condition}` at {where}, "
+                f"which is false for capture size {size}. One trace serves every token count, so the forward "
+                f"must not branch on it: move the branch out of forward, or make that code a splitting op "
+                f"(piecewise.opaque_op(..., split=True)); frontend='breakable' runs the branch per size.{hint}",
+                "token_branch",
+                [traceback.FrameSummary(located[1], int(located[2]), located[3])] if located else [],
+            )
+
+    def _on_new_graph(self, runner: GraphRunner) -> None:
+        self.traced_in_call = True
+        self.stats.compile_seconds += runner.compile_seconds
+        if self.state.capture_done or self.stats.traces > 0:
+            if self.state.capture_done:
+                runner.graphs_allowed = False
+            if self.tracer.graph_breaks:
+                return  # code after a graph break is traced per new shape once; the break was reported
+            warnings.warn(
+                f"piecewise: the model was traced again after the first trace ({self.describe_change()}); the new "
+                f"graph runs without CUDA graphs. Call the model with the argument types it was captured with, or "
+                f"compile a separate runner for this variant.",
+                stacklevel=7,
+            )
+            return
+        self.stats.pieces += len(runner.pieces)
+        self.stats.eager_writes += len(runner.eager_writes)
+        self.stats.graph_breaks = len(self.tracer.blockers) if self.tracer.graph_breaks else 0
+
+    def mixing_hint(self) -> tuple[str, list[traceback.FrameSummary]]:
+        """Where the traced pieces may combine token rows: a sentence naming up to five ``file:line`` places,
+        and the first one's call chain."""
+        nodes = [node for runner in self.graph_runners for piece in runner.pieces
+                 for node in token_mixing_nodes(piece.graph_module)]
+        return mixing_places(nodes)
+
+
+def mixing_places(nodes: list[torch.fx.Node]) -> tuple[str, list[traceback.FrameSummary]]:
+    import linecache
+
+    places, chain = [], []
+    for node in nodes:
+        where = user_line(node)
+        if where and where not in places:
+            places.append(where)
+            chain = chain or node_stack(node)
+    if not places:
+        return "", []
+    shown = []
+    for where in places[:5]:
+        path, _, line = where.rpartition(":")
+        code = linecache.getline(path, int(line)).strip()
+        shown.append(f"{where}" + (f" (`{code}`)" if code else ""))
+    return " Candidates: " + "; ".join(shown) + ".", chain
+
+
+def static_writes(graph: torch.fx.GraphModule, token_inputs: list, splitting: frozenset[str]) -> dict:
+    """In-place writes of traced code into static tensors (arguments, parameters, buffers) → a label each.
+
+    Such a write runs eagerly between pieces, on the real rows: inside a piece it would also run for the
+    padding rows (a KV-cache write at the padded positions would overwrite position 0). A write that reads
+    what it overwrites (``+=``, ``add_``) is refused: the first call runs the model several times."""
+    static = [node for node in graph.graph.nodes if node.op == "placeholder" and node not in token_inputs
+              and isinstance(node.meta.get("example_value"), torch.Tensor)]
+    eager: dict = {}
+    for writer, placeholder in writes_to_inputs(graph, static):
+        if writer in eager or (writer.op == "call_function" and op_name(writer.target) in splitting):
+            continue
+        what, target, where = describe_write(writer), _compat.argument_source(placeholder), user_line(writer)
+        if accumulates(writer):
+            raise ForwardRefused(
+                f"piecewise: {what} at {where or 'an unknown line'} updates {target} in place from its own "
+                f"value. The first call runs the model several times on its inputs (warm-up, then one run per "
+                f"capture size), so the update would be applied more than once. Keep such state out of the "
+                f"traced forward, or move the update into a splitting op "
+                f"(piecewise.opaque_op(..., split=True)) that skips it while piecewise.context().rehearsal is "
+                f"True.",
+                "state_update", node_stack(writer),
+            )
+        eager[writer] = f"{what} into {target}" + (f" ({where})" if where else "")
+    if eager:
+        logger.info(
+            "piecewise: %d in-place write(s) into static tensors run eagerly between pieces, on the real rows "
+            "only (%s); a KV-cache write inside an attention splitting op avoids the extra cut",
+            len(eager), "; ".join(eager.values()),
+        )
+    return eager

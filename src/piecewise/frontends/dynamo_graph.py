@@ -1,0 +1,92 @@
+"""What the Dynamo backend returns for one traced graph: the graph split at splitting ops, a runner in place of
+each partition (a piece captured per size, or a splitting op run eagerly between pieces)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..capture.compilers import PieceCompiler
+from ..capture.pieces import PieceRunner
+from ..capture.splitop import SplitOpRunner
+from ..capture.state import CaptureState, Phase
+from ..graph.split import split_graph
+from ..graph.tokens import is_token_tensor, output_values, placeholder_values
+
+
+class GraphRunner:
+    """What the Dynamo backend returns for one traced graph: the split graph with runners in place."""
+
+    def __init__(
+        self,
+        graph: torch.fx.GraphModule,
+        state: CaptureState,
+        compiler: PieceCompiler,
+        splitting_ops: frozenset[str],
+        eager_writes: dict[torch.fx.Node, str] | None = None,
+    ):
+        self.state = state
+        self.graphs_allowed = state.graphs_enabled and not state.capture_done
+        started = time.perf_counter()
+        self.eager_writes = list((eager_writes or {}).values())
+        """In-place writes into static tensors cut out of the pieces (see ``checks.static_writes``)."""
+        self.split_graph, partitions = split_graph(graph, splitting_ops, eager_writes)
+        self.pieces: list[PieceRunner] = []
+        self.splitting_ops: list[SplitOpRunner] = []
+        for partition in partitions:
+            if partition.splitting_op is not None:
+                runner = SplitOpRunner(partition.name, partition.module, partition.splitting_op, state,
+                                       any_dim=partition.splitting_op not in splitting_ops)
+                self.splitting_ops.append(runner)
+            else:
+                compiled = compiler.compile(partition.module, placeholder_values(partition.module))
+                runner = PieceRunner(partition.name, partition.module, compiled, state, self)
+                self.pieces.append(runner)
+            # A plain attribute, not a submodule: the split graph's code calls it without nn.Module overhead.
+            delattr(self.split_graph, partition.name)
+            self.split_graph.__dict__[partition.name] = runner
+        self.compile_seconds = time.perf_counter() - started
+        inputs = placeholder_values(graph)
+        self.token_inputs = [is_token_tensor(v) for v in inputs]
+        self.symbolic = any(self.token_inputs)
+        outputs = output_values(graph)
+        self.token_outputs = [is_token_tensor(v) for v in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
+        self.external: list[int] | None = None  # inputs that need a static copy; decided on the first call
+        self.input_buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, *args):
+        state = self.state
+        if state.call.phase is not Phase.DIRECT:
+            if self.external is None:
+                self.external = [
+                    i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.data_ptr() not in state.stable_ptrs
+                ]
+            if self.external:
+                args = self._stage_inputs(list(args))
+        outputs = self.split_graph(*args)
+        if self.symbolic:  # a graph traced for one static size (after a break) can't tell: leave unknown
+            flat = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+            for value, token in zip(flat, self.token_outputs):
+                if isinstance(value, torch.Tensor):
+                    state.token_outputs[id(value)] = token
+        return outputs
+
+    def _stage_inputs(self, args: list) -> list:
+        """Copy inputs made by Python between graphs into fixed buffers (one per size for odd shapes)."""
+        size = self.state.call.size
+        for i in self.external:
+            value = args[i]
+            token = self.token_inputs[i] and value.shape[0] == size
+            key = (i, 0 if token else size)
+            buffer = self.input_buffers.get(key)
+            fits = buffer is not None and buffer.dtype == value.dtype
+            fits = fits and (buffer.shape[1:] == value.shape[1:] if token else buffer.shape == value.shape)
+            if not fits:
+                shape = (self.state.max_tokens, *value.shape[1:]) if token else value.shape
+                buffer = torch.zeros(shape, dtype=value.dtype, device=value.device)
+                self.input_buffers[key] = buffer
+            target = buffer[:size] if token else buffer
+            target.copy_(value)
+            args[i] = target
+        return args

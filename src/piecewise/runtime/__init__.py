@@ -1,0 +1,44 @@
+"""The runtime: ``piecewise.compile`` and the ``PiecewiseModel`` it returns (the call path, the first call)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..config import CaptureConfig
+from ..diagnostics.blockers import Blocker, Frame
+from ..diagnostics.classify import FIXES
+from ..errors import CaptureFailed, ForwardRefused
+from ..graph.stack import node_stack
+from .model import PiecewiseModel, compile
+
+__all__ = ["PiecewiseModel", "compile", "trial_capture"]
+
+
+def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: str = "dynamo") -> list:
+    """Run the runtime's first call on these inputs (capture sizes 1, 2 and the inputs' token count; CUDA
+    graphs where the model is on CUDA) and return what it refuses as doctor blockers: ``capture_illegal`` (CUDA
+    only), ``token_mixing``, ``token_branch``, ``state_update``, ``token_argument_write``.
+
+    Used by ``piecewise.doctor``. The model runs several times on the inputs, as on a first call.
+    """
+    probe = PiecewiseModel(model, CaptureConfig(frontend=frontend), None)
+    tokens = probe.arguments.token_count(probe.arguments.bind(tuple(args), dict(kwargs)))
+    sizes = sorted({1, 2, tokens})
+    runner = PiecewiseModel(model, CaptureConfig(capture_sizes=sizes, frontend=frontend, strict=True), None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # graph breaks: the doctor reports them from its own trace
+            runner(*args, **kwargs)
+    except CaptureFailed as exc:
+        frames = node_stack(exc.node) if exc.node is not None else exc.chain
+        return [Blocker(kind="capture_illegal", message=str(exc), chain=[Frame.from_summary(f) for f in frames],
+                        fix=FIXES["capture_illegal"])]
+    except ForwardRefused as exc:
+        message = str(exc).removeprefix("piecewise: ")
+        return [Blocker(kind=exc.kind.value, message=message, chain=[Frame.from_summary(f) for f in exc.chain],
+                        fix=FIXES[exc.kind.value])]
+    finally:
+        runner.release_graphs()
+    return []

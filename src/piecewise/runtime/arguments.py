@@ -1,0 +1,193 @@
+"""The model's forward arguments: binding, which carry tokens (dimension 0), and the static ones that must stay
+the same tensors across calls."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class Arguments:
+    """What piecewise knows of the forward's arguments, from its signature and the first call."""
+
+    def __init__(self, model: torch.nn.Module, dynamic: dict[str, int] | None):
+        parameters = list(inspect.signature(model.forward).parameters.values())
+        self.names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not self.names:
+            raise ValueError("piecewise.compile: the model's forward takes no positional arguments to carry tokens")
+        self.dynamic = self._check_dynamic(dynamic)
+        """Token arguments → token dimension (0); decided at the first call when not given."""
+        self.dynamic_given = dynamic is not None
+        self.late: set[str] = set()
+        """Tensor arguments first given after the first call (optional state such as a KV cache): a call may
+        leave them out again (None), which is another variant of the forward."""
+        self.static_ptrs: dict[str, int] = {}
+        self.first_shapes: dict[str, tuple[int, ...]] = {}
+        self.first_signature: dict[str, Any] | None = None
+
+    def record_first(self, arguments: dict[str, Any]) -> list[torch.Tensor]:
+        """Remember the first call's static tensors (returned) and argument shapes."""
+        static = []
+        for name, value in arguments.items():
+            if isinstance(value, torch.Tensor) and name not in self.dynamic:
+                self.static_ptrs[name] = value.data_ptr()
+                static.append(value)
+        self.first_shapes = {n: tuple(v.shape) for n, v in arguments.items() if isinstance(v, torch.Tensor)}
+        self.first_signature = self.signature(arguments)
+        return static
+
+    def given_tokens(self, arguments: dict[str, Any]) -> list[str]:
+        """The token arguments this call passes (late ones may be left out)."""
+        return [name for name in self.dynamic if arguments.get(name) is not None]
+
+    def _check_dynamic(self, dynamic: dict[str, int] | None) -> dict[str, int] | None:
+        if dynamic is None:
+            return None  # decided at the first call: see _default_dynamic
+        if not isinstance(dynamic, dict) or not dynamic:
+            raise ValueError(f"piecewise.compile: dynamic must map argument names to token dims, got {dynamic!r}")
+        for name, dim in dynamic.items():
+            if name not in self.names:
+                raise ValueError(
+                    f"piecewise.compile: dynamic names {name!r}, which is not a positional-or-keyword argument "
+                    f"of forward; forward takes {self.names}"
+                )
+            if not isinstance(dim, int) or isinstance(dim, bool):
+                raise ValueError(f"piecewise.compile: dynamic[{name!r}] must be an int dimension, got {dim!r}")
+        return dict(dynamic)
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if len(args) > len(self.names):
+            raise TypeError(f"forward takes {len(self.names)} positional arguments but {len(args)} were given")
+        arguments = dict(zip(self.names, args))
+        for name, value in kwargs.items():
+            if name in arguments:
+                raise TypeError(f"forward got multiple values for argument {name!r}")
+            arguments[name] = value
+        return arguments
+
+    def _default_dynamic(self, arguments: dict[str, Any]) -> dict[str, int]:
+        """Dim 0 of the first argument, and of every other 1-D or 2-D tensor argument of the same length
+        at the first call (positions, slot mappings). Larger tensors (KV caches) stay static."""
+        first = arguments.get(self.names[0])
+        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+            raise ValueError(
+                f"piecewise: the first forward argument {self.names[0]!r} carries the tokens by default and must "
+                f"be a tensor with a token dimension 0; pass dynamic={{'name': 0, ...}} to name the token arguments"
+            )
+        chosen = {self.names[0]: 0}
+        for name, value in arguments.items():
+            if name not in chosen and isinstance(value, torch.Tensor) and 1 <= value.dim() <= 2:
+                if value.shape[0] == first.shape[0]:
+                    chosen[name] = 0
+        logger.info("piecewise: token arguments (dim 0): %s", ", ".join(chosen))
+        return chosen
+
+    def token_count(self, arguments: dict[str, Any]) -> int:
+        if self.dynamic is None:
+            self.dynamic = self._default_dynamic(arguments)
+        count = None
+        for name, dim in self.dynamic.items():
+            value = arguments.get(name)
+            if value is None and name in self.late:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"piecewise: token argument {name!r} must be a tensor, got {type(value).__name__}"
+                )
+            if not -value.dim() <= dim < value.dim():
+                raise ValueError(
+                    f"piecewise: token dimension {dim} of argument {name!r} is out of range for shape "
+                    f"{tuple(value.shape)}"
+                )
+            if dim not in (0, -value.dim()):
+                raise ValueError(
+                    f"piecewise: token dimension of {name!r} is {dim}; only dimension 0 is supported: "
+                    f"move the token dimension first"
+                )
+            rows = value.shape[0]
+            if count is not None and rows != count:
+                raise ValueError(
+                    f"piecewise: token arguments disagree: {name!r} has {rows} tokens, others {count}"
+                )
+            count = rows
+        if count == 0:
+            raise ValueError("piecewise: called with 0 tokens; call with at least one token")
+        return count
+
+    def adopt_late(self, arguments: dict[str, Any], tokens: int) -> list[torch.Tensor]:
+        """A tensor first given after the first call (None before) follows the first call's rules: a token
+        argument (slot mappings: padded and staged per call), or a static tensor read and written in place.
+        Returns the new static tensors."""
+        adopted = []
+        for name, value in arguments.items():
+            if not isinstance(value, torch.Tensor) or name in self.dynamic or name in self.static_ptrs:
+                continue
+            self.late.add(name)
+            if not self.dynamic_given and 1 <= value.dim() <= 2 and value.shape[0] == tokens:
+                self.dynamic[name] = 0
+            else:
+                self.static_ptrs[name] = value.data_ptr()
+                adopted.append(value)
+        return adopted
+
+    def check_static(self, arguments: dict[str, Any]) -> None:
+        for name, pointer in self.static_ptrs.items():
+            value = arguments.get(name)
+            if value is None and name in self.late:
+                continue
+            if not isinstance(value, torch.Tensor):
+                given = "not given" if name not in arguments else f"a {type(value).__name__}"
+                raise ValueError(
+                    f"piecewise: static argument {name!r} was a tensor at capture and is {given} now. Captured "
+                    f"graphs read it in place: pass the same tensor on every call, or compile a separate runner "
+                    f"for calls without it"
+                )
+            if value.data_ptr() != pointer:
+                raise ValueError(
+                    f"piecewise: static argument {name!r} is not the tensor seen at capture (its storage moved). "
+                    f"Captured graphs read static arguments in place: write new contents into the same tensor "
+                    f"({name}.copy_(new)), mark it as a token argument with dynamic={{...}}, or compile again"
+                    + self._batch_first_hint(name)
+                )
+
+    def _batch_first_hint(self, name: str) -> str:
+        """For a static argument that had one row per entry of dimension 1 of a token argument shaped [1, n] at the
+        first call: the usual cause is a batch-first call (gpt-fast, transformers' [batch, seq] inputs)."""
+        shapes = self.first_shapes
+        static = shapes.get(name, ())
+        for token_name in self.dynamic:
+            tokens = shapes.get(token_name, ())
+            if len(tokens) >= 2 and tokens[0] == 1 and static and static[0] == tokens[1] != 1:
+                return (
+                    f". At the first call {name!r} had {static[0]} rows and {token_name!r} shape {tokens}: piecewise "
+                    f"takes dimension 0 as the token dimension, so that call had 1 token. If {token_name!r} is "
+                    f"[batch, tokens], pass the tokens in dimension 0 and compile again"
+                )
+        return ""
+
+    def signature(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        def describe(name: str, value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                shape = list(value.shape)
+                if name in self.dynamic:
+                    shape[0] = "tokens"
+                return (value.dtype, value.device.type, tuple(shape))
+            return repr(value)
+
+        return {name: describe(name, value) for name, value in arguments.items()}
+
+    def describe_change(self, last: dict[str, Any] | None) -> str:
+        if self.first_signature is None or last is None:
+            return "unknown change"
+        now = self.signature(last)
+        changes = [
+            f"argument {name!r}: {self.first_signature.get(name)} -> {now.get(name)}"
+            for name in sorted(set(now) | set(self.first_signature))
+            if now.get(name) != self.first_signature.get(name)
+        ]
+        return "; ".join(changes) if changes else "a guard on model state failed"
