@@ -35,14 +35,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
+from ._gluon_compat import cta_barrier, tma_load
 from ._gluon_kernel import _decoded_codes, _shifted_scales
-
-_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 BLOCK_K = gl.constexpr(64)
 """Codes of K per iteration (128 bytes of 16-bit activations per token: one swizzle row)."""
@@ -102,10 +100,8 @@ def _prefill_kernel(
         mbarrier.init(ready.index(s), count=1)
     for s in gl.static_range(2):
         mbarrier.expect(ready.index(s), STAGE_BYTES, pred=s < iterations)
-        tma.async_copy_global_to_shared(x_desc, [m0, s * BLOCK_K], ready.index(s), x_smem.index(s),
-                                        pred=s < iterations)
-        tma.async_copy_global_to_shared(w_desc, [row0, s * (BLOCK_K // 8)], ready.index(s), p_smem.index(s),
-                                        pred=s < iterations)
+        tma_load(x_desc, [m0, s * BLOCK_K], ready.index(s), x_smem.index(s), pred=s < iterations)
+        tma_load(w_desc, [row0, s * (BLOCK_K // 8)], ready.index(s), p_smem.index(s), pred=s < iterations)
 
     last = iterations - 1
     s_next = gl.load(scale_ptrs)
@@ -120,17 +116,17 @@ def _prefill_kernel(
         w_buf = w_smem.index(it % 3)
         w_buf.store(_scaled(_decoded(words, DECODE, IS_FP16), scale_byte, IS_FP16))
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         s_after = gl.load(scale_ptrs + gl.minimum(it + 2, last) * (BLOCK_K // 16))
         # Every warpgroup's wgmma it - 2 is done (and every warp has read its packed words): the stage of
         # iteration it + 2 can be refilled.
         refill = it + 2
         r_stage = refill % STAGES
         mbarrier.expect(ready.index(r_stage), STAGE_BYTES, pred=refill < iterations)
-        tma.async_copy_global_to_shared(x_desc, [m0, refill * BLOCK_K], ready.index(r_stage),
-                                        x_smem.index(r_stage), pred=refill < iterations)
-        tma.async_copy_global_to_shared(w_desc, [row0, refill * (BLOCK_K // 8)], ready.index(r_stage),
-                                        p_smem.index(r_stage), pred=refill < iterations)
+        tma_load(x_desc, [m0, refill * BLOCK_K], ready.index(r_stage), x_smem.index(r_stage),
+                 pred=refill < iterations)
+        tma_load(w_desc, [row0, refill * (BLOCK_K // 8)], ready.index(r_stage), p_smem.index(r_stage),
+                 pred=refill < iterations)
         x_buf = x_smem.index(stage)
         acc = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, is_async=True)
         acc, x_buf, w_buf = warpgroup_mma_wait(num_outstanding=1, deps=(acc, x_buf, w_buf))

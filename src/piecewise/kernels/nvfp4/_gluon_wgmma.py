@@ -20,10 +20,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from ._gluon_compat import cta_barrier
 from ._gluon_kernel import _bases, _block_scales, _decoded_codes
-
-# A barrier among the threads of a program: ``gl.thread_barrier`` up to Triton 3.6, ``gl.barrier`` from 3.8.
-_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.constexpr_function
@@ -134,7 +132,7 @@ def _wgmma_kernel(
     x_next = gl.load(x_ptrs + gl.minimum(1, last) * BK, mask=x_mask, other=0.0)
     x_smem.index(0).store(_slot_order(xv))
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
     a_prev = _weight_operand(words, _block_scales(scale_byte, IS_FP16), DECODE, IS_FP16, A_LAYOUT)
     token = warpgroup_mma(a_prev, x_smem.index(0).permute((1, 0)), gl.zeros([R, BLOCK_M], gl.float32, layout=MMA),
                           is_async=True)
@@ -150,7 +148,7 @@ def _wgmma_kernel(
         a = _weight_operand(words, _block_scales(scale_byte, IS_FP16), DECODE, IS_FP16, A_LAYOUT)
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=[token, a_prev])
         # Every warpgroup's wgmma i - 1 is done: its buffer may be written once this one's wgmma is issued.
-        _cta_barrier()
+        cta_barrier()
         token = warpgroup_mma(a, x_smem.index(it % 2).permute((1, 0)), acc, is_async=True)
         x_smem.index((it + 1) % 2).store(_slot_order(x_next))
         fence_async_shared()
@@ -162,7 +160,7 @@ def _wgmma_kernel(
         local = gl.arange(0, R, layout=gl.SliceLayout(1, MMA))[:, None] * BLOCK_M + gl.arange(
             0, BLOCK_M, layout=gl.SliceLayout(0, MMA))[None, :]
         gl.store(tile_partials + gl.program_id(2) * (R * BLOCK_M) + local, acc)
-        _cta_barrier()  # every thread's partial is written before the release below
+        cta_barrier()  # every thread's partial is written before the release below
         arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
             acc = gl.zeros([R, BLOCK_M], gl.float32, layout=MMA)

@@ -37,8 +37,9 @@ bytes with this access pattern takes 11.1 µs; the kernel takes 17.3 µs. The de
 integer-ALU instructions per weight, on a pipe that issues at half the FP32 rate) does not fully hide under
 the loads.
 
-Needs Triton's Gluon (``triton.experimental.gluon``; written against Triton 3.6) and sm_80+; ``AVAILABLE`` says
-whether it imported, and ``triton_gemm`` falls back to the tl kernel if it does not compile.
+Needs Triton's Gluon (``triton.experimental.gluon``, Triton 3.6 to 3.9: the names that changed in between are
+picked in ``_gluon_compat``) and sm_80+; ``AVAILABLE`` says whether it imported, and ``triton_gemm`` falls back to
+the tl kernel if it does not compile.
 """
 
 from __future__ import annotations
