@@ -1,5 +1,6 @@
 """Decode-step latency on the "L16" model: eager, full CUDA graph, hand-made piecewise floor, piecewise
-(eager pieces), piecewise (inductor pieces), torch.compile reduce-overhead; plus capture time and pool bytes.
+(eager pieces), piecewise (inductor pieces), piecewise (breakable front-end), torch.compile reduce-overhead; plus
+capture time and pool bytes.
 
     PYTHONPATH=src python benchmarks/decode_step.py --out DIR [--nvfp4] [--skip-inductor] [--gc-freeze]
 
@@ -179,10 +180,11 @@ def main() -> int:
 
     capture = {}
     runners = []
-    compilers = ["eager"] if args.skip_inductor else ["eager", "inductor"]
-    for compiler in compilers:
-        name = f"piecewise ({compiler} pieces)"
-        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=512, compiler=compiler))
+    variants = [("breakable", "eager"), ("dynamo", "eager")] + ([] if args.skip_inductor else [("dynamo", "inductor")])
+    for frontend, compiler in variants:
+        name = "piecewise (breakable)" if frontend == "breakable" else f"piecewise ({compiler} pieces)"
+        config = piecewise.CaptureConfig(max_tokens=512, compiler=compiler, frontend=frontend)
+        runner = piecewise.compile(model, config)
         runners.append(runner)
         ids, positions, _ = inputs(max(BATCHES), cache, L16.vocab_size)
         started = time.perf_counter()
@@ -227,7 +229,7 @@ def main() -> int:
         for (batch, variant), ms in round_robin_ms(every).items():
             results.setdefault(variant, {})[batch] = ms
     for runner in runners:
-        name = f"piecewise ({runner.config.compiler} pieces)"
+        name = "piecewise (breakable)" if runner.config.frontend == "breakable" else f"piecewise ({runner.config.compiler} pieces)"
         capture[name]["traces_after_all_batches"] = runner.stats["traces"]
 
     meta = {
@@ -262,6 +264,10 @@ def main() -> int:
     if "piecewise (eager pieces)" in results:
         ratio = results["piecewise (eager pieces)"][1] / floor[1]
         lines.append(f"- piecewise(eager)/floor at B=1: {ratio:.3f} (target ≤ 1.05)")
+    if "piecewise (breakable)" in results and "piecewise (eager pieces)" in results:
+        for b in BATCHES:
+            ratio = results["piecewise (breakable)"][b] / results["piecewise (eager pieces)"][b]
+            lines.append(f"- B={b}: breakable / dynamo-eager {ratio:.3f} (target ≤ 1.03)")
     if "piecewise (inductor pieces)" in results and "reduce-overhead" in results:
         for b in BATCHES:
             best = min(results["full graph"][b], results["reduce-overhead"][b])

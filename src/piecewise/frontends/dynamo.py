@@ -39,7 +39,7 @@ class DynamoFrontend:
     name = "dynamo"
 
     def __init__(self, model: torch.nn.Module, config: CaptureConfig, state: CaptureState, ladder: Ladder,
-                 stats: Stats, describe_change: Callable[[], str], on_blocker: str):
+                 stats: Stats, describe_change: Callable[[], str], on_blocker: str, token_names: Callable[[], list]):
         self.config = config
         self.state = state
         self.ladder = ladder
@@ -49,6 +49,7 @@ class DynamoFrontend:
         self.graph_runners: list[GraphRunner] = []
         self.tracer = ForwardTracer(model, self.backend, on_blocker)
         self.traced_in_call = False
+        self.token_names = token_names
 
     def splitting_ops(self) -> frozenset[str]:
         return frozenset(self.config.splitting_ops) if self.config.splitting_ops is not None else splitting_op_names()
@@ -57,6 +58,10 @@ class DynamoFrontend:
         """The forward on ``arguments`` (staged for a padded call) for ``state.call``."""
         self.traced_in_call = False
         replays = self.state.replays
+        if not self.tracer.first_trace_done:
+            rows = self.state.call.num_tokens
+            self.tracer.diagnose_kwargs = {**arguments, **{name: arguments[name][:rows] for name in self.token_names()
+                                                           if arguments.get(name) is not None}}
         output = self.tracer((), arguments)
         if self.traced_in_call:
             self.stats.traces += 1

@@ -107,6 +107,10 @@ class ForwardTracer:
         self.graph_breaks = False
         self.blockers: list[Any] = []
         self.first_trace_done = False
+        self.diagnose_kwargs: dict | None = None
+        """What ``find_blockers`` runs the forward on after a failed first trace: the call's real rows. Its
+        explain pass runs the model without piecewise, so padded rows would reach ops that write state (a KV
+        cache at the pad rows' positions)."""
         self.direct: DirectCall | None = None
         self.direct_calls = 0
 
@@ -138,7 +142,8 @@ class ForwardTracer:
         return output
 
     def _trace_with_breaks(self, exc: Exception, args: tuple, kwargs: dict) -> Any:
-        blockers = find_blockers(_compat.fresh_method(self.model.forward), args, kwargs)
+        diagnose = self.diagnose_kwargs if self.diagnose_kwargs is not None else kwargs
+        blockers = find_blockers(_compat.fresh_method(self.model.forward), args, diagnose)
         if not blockers:
             blockers = blockers_from_exception(exc)
         if self.on_blocker == "raise":

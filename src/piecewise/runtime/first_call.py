@@ -94,7 +94,8 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
 
 def _dynamo(runner: "PiecewiseModel", on_blocker: str) -> DynamoFrontend:
     return DynamoFrontend(runner.model, runner.config, runner.state, runner.ladder, runner.stats,
-                          lambda: runner.arguments.describe_change(runner.last_arguments), on_blocker)
+                          lambda: runner.arguments.describe_change(runner.last_arguments), on_blocker,
+                          lambda: list(runner.arguments.dynamic))
 
 
 def _breakable(runner: "PiecewiseModel", static: list[torch.Tensor]) -> BreakableFrontend:

@@ -1,0 +1,131 @@
+"""The breakable front-end and ``frontend="auto"`` on CPU: equal to eager (outputs and KV caches) for every place
+a JIT-style call can sit × every kind of splitting op × sizes 1..max+1 × grad / no_grad / inference_mode."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+import piecewise
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
+import break_models as bm  # noqa: E402
+import state_models  # noqa: E402
+
+MAX_TOKENS = 8
+GRAD_MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+def run_sequence(model: torch.nn.Module, runner, mode: str, device: str = "cpu", offset: int = 0) -> None:
+    """Prefills of 1..MAX_TOKENS+1 tokens (from position ``offset``), each followed by two decode steps, on fresh
+    caches: the runner's outputs and cache equal the eager model's on its own cache at every step. With an
+    offset the first positions stay empty: a write at a padding row's position 0 would show."""
+    ours, theirs = model.make_cache(device), model.make_cache(device)
+    with GRAD_MODES[mode]():
+        for tokens in range(1, MAX_TOKENS + 2):
+            ours.zero_(), theirs.zero_()
+            steps = [torch.arange(tokens, device=device) + offset, torch.tensor([tokens + offset], device=device),
+                     torch.tensor([tokens + offset + 1], device=device)]
+            for positions in steps:
+                ids = torch.randint(0, 64, positions.shape, device=device)
+                got = runner(ids, positions, ours)
+                with torch.no_grad():
+                    expected = model(ids, positions, theirs)
+                torch.testing.assert_close(got, expected, msg=lambda m: f"{tokens} tokens, positions {positions}: {m}")
+                torch.testing.assert_close(ours, theirs, msg=lambda m: f"cache after {tokens} tokens: {m}")
+
+
+@pytest.mark.parametrize("mode", list(GRAD_MODES))
+@pytest.mark.parametrize("attention", bm.ATTENTION)
+@pytest.mark.parametrize("jit_at", bm.PLACES)
+def test_breakable_equals_eager_for_every_place_op_kind_size_and_grad_mode(jit_at, attention, mode):
+    model = bm.make(jit_at, attention)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX_TOKENS, frontend="breakable"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the breakable front-end has nothing to warn about here
+        run_sequence(model, runner, mode, offset=3)
+    # Each prefill above max_tokens runs without padding; an in-place cache write in plain code (reads_cache) is
+    # one more break, on the real rows.
+    runner.stats.expect(frontend="breakable", traces=0, cuda_graphs=False, graph_breaks=0, fallback_calls=1)
+    assert runner.stats["pieces"] >= model.num_layers + 1
+
+
+@pytest.mark.parametrize("jit_at", bm.PLACES[1:])
+def test_auto_takes_breakable_with_one_warning_naming_the_blocker_and_its_fix(jit_at):
+    model = bm.make(jit_at, "writes_cache")
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX_TOKENS))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_sequence(model, runner, "no_grad", offset=3)  # the failed Dynamo trace must not write the cache
+    ours = [str(w.message) for w in caught if "piecewise" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert "runs with the breakable front-end" in ours[0] and "jit_subprocess" in ours[0]
+    assert "break_models.py" in ours[0] and "wrap_opaque" in ours[0]  # where, and the fix that brings Dynamo back
+    runner.stats.expect(frontend="breakable", traces=0)
+    assert runner.stats["frontend_reason"].startswith("Dynamo blocked")
+
+
+@pytest.mark.parametrize("attention", bm.ATTENTION)
+def test_auto_takes_dynamo_when_it_traces_the_forward_whole(attention):
+    model = bm.make(None, attention)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX_TOKENS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_sequence(model, runner, "no_grad")
+    runner.stats.expect(frontend="dynamo", traces=1, graph_breaks=0)
+
+
+def test_breakable_needs_the_eager_compiler_and_says_which_fields():
+    with pytest.raises(ValueError, match=r"frontend='breakable'.*compiler must be 'eager'.*compiler='inductor'"):
+        piecewise.CaptureConfig(frontend="breakable", compiler="inductor")
+
+
+def test_breakable_refuses_a_state_update_from_its_own_value_with_the_line():
+    runner = piecewise.compile(state_models.StepCounter(), piecewise.CaptureConfig(max_tokens=4, frontend="breakable"))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"(?s)`add_` at .*state_models.py:\d+.*self.steps \+= 1.*"
+                                                         r"applied more than once") as info:
+        runner(torch.randn(3, 8))
+    assert info.value.kind == "state_update"
+
+
+def test_breakable_splitting_op_skips_rehearsals_and_counts_each_call_once():
+    model = state_models.CallCounter()
+    counter = torch.zeros(())
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=4, frontend="breakable"), dynamic={"x": 0})
+    with torch.no_grad():
+        for step in range(1, 4):
+            runner(torch.randn(3, 8), counter)
+            assert counter.item() == step
+
+
+def test_max_padding_factor_runs_wasteful_calls_without_padding():
+    model = bm.make(None, "writes_cache")
+    config = piecewise.CaptureConfig(capture_sizes=[1, 8], frontend="breakable", max_padding_factor=2)
+    runner = piecewise.compile(model, config)
+    cache, expected_cache = model.make_cache(), model.make_cache()
+    with torch.no_grad():
+        for tokens, padded in ((3, False), (4, True), (1, True)):  # 3 → 8 is 2.7x: direct; 4 → 8 is 2x: padded
+            before = dict(runner.stats)
+            positions = torch.arange(tokens)
+            ids = torch.randint(0, 64, (tokens,))
+            torch.testing.assert_close(runner(ids, positions, cache), model(ids, positions, expected_cache))
+            assert runner.stats["padded_calls"] - before["padded_calls"] == int(padded)
+            assert runner.stats["fallback_calls"] - before["fallback_calls"] == int(not padded)
+    torch.testing.assert_close(cache, expected_cache)
+
+
+def test_stats_is_typed_and_reads_like_a_dict():
+    runner = piecewise.compile(bm.make(), piecewise.CaptureConfig(max_tokens=4, frontend="breakable"))
+    model = runner.model
+    with torch.no_grad():
+        runner(torch.randint(0, 64, (3,)), torch.arange(3), model.make_cache())
+    assert dict(runner.stats)["frontend"] == runner.stats.frontend == "breakable"
+    with pytest.raises(AssertionError, match=r"traces: 0 != expected 5"):
+        runner.stats.expect(traces=5)
+    with pytest.raises(KeyError, match="no field"):
+        runner.stats.expect(nosuch=1)
