@@ -173,13 +173,17 @@ def _is_experts(module: nn.Module) -> bool:
 
 
 def _no_mask(*args, **kwargs):
+    """transformers' mask interface: no mask, the attention op is causal by itself. A 2-D mask given to
+    ``create_causal_mask`` is refused whatever its values (reading them would be a data-dependent branch in the
+    trace): the caller's padding, or a mask of ones the model makes when it gets none (BioGPT; OPT until
+    transformers 5.18, which keeps it for the positions only and passes ``None``)."""
     mask = kwargs.get("attention_mask")
     if mask is not None:
         raise ValueError(
             f"the model builds its attention mask from a padding mask {tuple(mask.shape)}, which the piecewise "
             f"attention (causal, over unpadded tokens) cannot apply: call the model through "
             f"piecewise.integrations.transformers.TokenModel, which passes none. Models that make a mask of ones "
-            f"themselves (OPT, BioGPT) are not supported"
+            f"themselves (BioGPT; OPT before transformers 5.18) are not supported"
         )
     return None  # the attention op is causal by itself
 
