@@ -1,7 +1,20 @@
-"""Tensor parallelism on CPU: two gloo ranks, sharded layers, the all-reduce as a splitting op."""
+"""Tensor parallelism on CPU: two gloo ranks, sharded layers, the all-reduce as a splitting op.
 
+Each multi-rank test spawns fresh interpreters (``spawn``, never ``fork``), which meet through a file in a
+directory of their own (``init_method="file://..."``: no ports to collide), with a timeout on the rendezvous and
+the collectives and a deadline on the whole run, after which the ranks are killed and the test fails. Each rank
+destroys its process group and then checks that gloo's threads are gone: a group kept alive past
+``destroy_process_group`` left them running while the interpreter shut down, and one of them releasing its last
+work then (it takes the GIL) aborted the rank now and then (SIGABRT, "terminate called without an active
+exception")."""
+
+import contextlib
+import gc
 import os
 import tempfile
+import time
+import weakref
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,16 +29,63 @@ from piecewise.opaque import opaque_op_info, splitting_op_names
 from piecewise.parallel import Column, RowParallel, shard_layer, shard_modules
 
 CONFIG = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96)
+RANKS_SECONDS = 300
+"""Deadline for all ranks of one test (spawn, imports, compiling on a loaded 2-core machine included)."""
+COLLECTIVE_SECONDS = 120
+"""Timeout of the rendezvous and of each collective: a rank whose peer died or hangs fails instead of waiting."""
 
 
 def rel_error(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _worker(rank: int, world: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
+def gloo_threads() -> list[str]:
+    """Names of this process's threads that gloo started (its TCP loop, the process group's work loops)."""
+    tasks = "/proc/self/task"
+    names = []
+    for task in os.listdir(tasks) if os.path.isdir(tasks) else ():
+        with contextlib.suppress(OSError):  # a thread that just ended
+            with open(os.path.join(tasks, task, "comm")) as comm:
+                names.append(comm.read().strip())
+    return [name for name in names if "gloo" in name]
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, init_file: str, world: int = 2):
+    """This process as ``rank`` of a gloo world: the group is destroyed on the way out, and then none of gloo's
+    threads may be left (they are joined when the group is freed)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no dependence on the host name resolving
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=COLLECTIVE_SECONDS))
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+    left = gloo_threads()
+    assert not left, f"rank {rank}: gloo threads {left} still run after destroy_process_group: the group was kept alive"
+
+
+def run_ranks(worker, *args, world: int = 2, seconds: float = RANKS_SECONDS) -> None:
+    """``worker(rank, init_file, *args)`` in ``world`` spawned processes. A rank's exception fails the test with
+    its traceback (the other ranks are stopped); ranks still running after ``seconds`` are killed and fail it."""
+    with tempfile.TemporaryDirectory() as directory:
+        context = mp.start_processes(worker, args=(os.path.join(directory, "init"), *args), nprocs=world,
+                                     join=False, start_method="spawn")
+        deadline = time.monotonic() + seconds
+        try:
+            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    running = [p.pid for p in context.processes if p.is_alive()]
+                    pytest.fail(f"{worker.__name__}: ranks {running} still running after {seconds:.0f} s: killed")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+
+
+def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
+    with gloo_rank(rank, init_file):
         model, (ids, positions, _) = example(tokens=7, **CONFIG)  # same seed, so the same weights on every rank
         if nvfp4:
             quantize_linears(model)
@@ -56,16 +116,13 @@ def _worker(rank: int, world: int, init_file: str, nvfp4: bool, in_graph: bool) 
         splits = 1 if in_graph else 3
         assert stats["pieces"] == splits * 2 + 1 and stats["splitting_op_calls"] == splits * 2
         assert opaque_op_info(op).eager_calls - calls >= 2 * 2 * 2
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("nvfp4,in_graph", [(False, False), (True, False), (False, True)],
                          ids=["fp32", "nvfp4", "fp32-all-reduce-in-pieces"])
 def test_two_ranks_equal_the_whole_model_eager_and_piecewise(nvfp4, in_graph):
     """Each rank's output (eager, then piecewise at 7 and 3 tokens) equals the unsharded model's."""
-    with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_worker, args=(2, os.path.join(directory, "init"), nvfp4, in_graph), nprocs=2, join=True)
+    run_ranks(_worker, nvfp4, in_graph)
 
 
 def test_all_reduce_is_a_splitting_op_unless_captured():
@@ -116,6 +173,26 @@ def test_plans_that_cannot_apply_are_errors():
         shard_modules(model, {"layers.0.qkv": "diagonal"}, 0, 2, "unused")
 
 
+class _Group:
+    group_name = "7"
+
+
+def test_piecewise_keeps_no_process_group_alive():
+    """The all-reduce ops find their group by name, through a weak reference: a group destroyed and dropped is
+    freed (with its backend's threads), and an op still naming it says so."""
+    from piecewise.parallel import _group, group_name
+
+    group = _Group()
+    name = group_name(group)
+    assert _group(name) is group
+    alive = weakref.ref(group)
+    del group
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(RuntimeError, match=r"process group '7_\d+' no longer exists \(destroyed"):
+        _group(name)
+
+
 def test_tensor_parallel_needs_an_initialised_process_group():
     from piecewise.parallel import tensor_parallel
 
@@ -130,9 +207,7 @@ def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
     from piecewise.integrations.transformers import TokenModel, enable, quantize
     from piecewise.integrations.transformers import tensor_parallel as hf_tensor_parallel
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, init_file):
         torch.manual_seed(0)
         config = transformers.Glm4MoeConfig(
             vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -168,24 +243,19 @@ def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
             for position in range(6, 9):
                 step = runner(ids[position : position + 1], torch.tensor([position]), cache)
                 assert rel_error(step[0], expected[position]) <= 1e-5, position
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("nvfp4", [False, True], ids=["fp32", "nvfp4-grouped-experts"])
 def test_a_transformers_glm_moe_on_two_ranks_equals_the_whole_model(nvfp4):
     """Attention, MLPs, shared and routed experts sharded; prefill and decode steps equal the whole model."""
     pytest.importorskip("transformers")
-    with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_transformers_worker, args=(os.path.join(directory, "init"), nvfp4), nprocs=2, join=True)
+    run_ranks(_transformers_worker, nvfp4)
 
 
 def _glm_moe_worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
     from piecewise.models.glm_moe import GlmMoE, example, quantize_experts, tensor_parallel_glm_moe
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, init_file):
         model, (ids, positions, _) = example(tokens=7, num_layers=3, hidden_size=64, moe_intermediate_size=32)
         for module in model.modules():
             if isinstance(module, GlmMoE):  # spread the router scores: no near tie for a rounding to flip
@@ -211,13 +281,10 @@ def _glm_moe_worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> N
         # MLP's or the MoE block's), bf16 experts once more (the eager loop)
         cuts = 3 + (0 if in_graph else 6) + (0 if nvfp4 else 2)
         assert runner.stats["pieces"] == cuts + 1, runner.stats["pieces"]
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("nvfp4,in_graph", [(False, False), (True, True)],
                          ids=["fp32", "nvfp4-grouped-all-reduce-in-pieces"])
 def test_the_glm_moe_example_on_two_ranks_equals_the_whole_model(nvfp4, in_graph):
     """Routed and shared experts keep half their intermediate dimension, one all-reduce per MoE block."""
-    with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_glm_moe_worker, args=(os.path.join(directory, "init"), nvfp4, in_graph), nprocs=2, join=True)
+    run_ranks(_glm_moe_worker, nvfp4, in_graph)

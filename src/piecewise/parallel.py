@@ -18,11 +18,15 @@ its packed rows and 16-input scale blocks, so each rank computes with exactly th
 The model's own code must then work with fewer heads or a narrower MLP per rank (a config edit, as
 ``piecewise.models.llama.tensor_parallel_llama`` does for the bundled models). Embeddings and the output head
 stay whole on every rank.
+
+``dist.destroy_process_group()`` then frees the group and stops its backend's threads: piecewise holds no
+reference to a group. Import this module before ``init_process_group`` (see the import below).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +37,17 @@ from .kernels.nvfp4.module import NVFP4Linear
 from .kernels.nvfp4.reference import BLOCK
 from .opaque import opaque_op
 
-_groups: dict[str, dist.ProcessGroup] = {}
+if dist.is_available():
+    # Its functions take ``group=group.WORLD`` as a default argument, evaluated when the module is imported. Imported
+    # after init_process_group (torch._dynamo imports it, on the first compile or custom-op call), it would hold the
+    # default group for good: destroy_process_group would leave gloo's threads running, and one of them dropping its
+    # last finished work while the interpreter shuts down (it needs the GIL for the tensors' Python objects) kills
+    # the process with SIGABRT ("terminate called without an active exception"). Imported here, the default is None.
+    import torch.distributed.nn.functional  # noqa: F401
+
+_groups: weakref.WeakValueDictionary[str, dist.ProcessGroup] = weakref.WeakValueDictionary()
+"""Process groups by the name the all-reduce ops take. Weak references: a destroyed group is freed (and its
+backend's threads joined) instead of living on here."""
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -63,9 +77,19 @@ def group_name(group: dist.ProcessGroup) -> str:
     return name
 
 
+def _group(name: str) -> dist.ProcessGroup:
+    group = _groups.get(name)
+    if group is None:
+        raise RuntimeError(
+            f"process group {name!r} no longer exists (destroyed with dist.destroy_process_group?): the model was "
+            f"sharded for it; shard a fresh model after initialising a new process group"
+        )
+    return group
+
+
 def _summed(x: torch.Tensor, group: str) -> torch.Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
-    dist.all_reduce(out, group=_groups[group])
+    dist.all_reduce(out, group=_group(group))
     return out
 
 
