@@ -25,8 +25,8 @@ from piecewise.config import sglang_sizes
 from piecewise.models.decode import L16
 from piecewise.models.llama import TinyLlama
 
-LENGTHS = (16, 64, 256, 1024, 4096, 8192)  # on the sglang ladder: no padding
-BETWEEN = (20, 100, 300, 700, 2000, 5000)  # between ladder sizes: padded to the next one
+LENGTHS = (16, 256, 1024, 4096, 8192)  # on the sglang ladder: no padding
+BETWEEN = (20, 300, 2000, 5000)  # between ladder sizes: padded to the next one
 CONFIG = dataclasses.replace(L16, max_seq_len=16384)
 
 
@@ -39,13 +39,13 @@ def sample_ms(fn, iters: int) -> float:
     return (time.perf_counter() - start) * 1e3 / iters
 
 
-def median_ms(steps: dict, rounds: int = 7) -> dict:
+def median_ms(steps: dict, rounds: int = 5) -> dict:
     for fn in steps.values():
-        fn(), fn()
+        fn()
     samples = {name: [] for name in steps}
     for _ in range(rounds):
         for name, fn in steps.items():
-            samples[name].append(sample_ms(fn, 5))
+            samples[name].append(sample_ms(fn, 3))
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -80,11 +80,13 @@ def main() -> int:
         for frontend, compiler in variants:
             name = f"{frontend} ({compiler})"
             runner, capture[f"{name}, 51 sizes (vllm, 512)"] = capture_cost(model, cache, frontend, compiler, "vllm", 512)
+            print(name, "51 sizes:", capture[f"{name}, 51 sizes (vllm, 512)"], flush=True)
             runner.release_graphs()
             del runner
             torch.cuda.empty_cache()
             runners[name], capture[f"{name}, 58 sizes (sglang, 8192)"] = capture_cost(
                 model, cache, frontend, compiler, "sglang", 8192)
+            print(name, "58 sizes:", capture[f"{name}, 58 sizes (sglang, 8192)"], flush=True)
         results, errors = {}, {}
         for tokens in LENGTHS + BETWEEN:
             ids = torch.randint(0, CONFIG.vocab_size, (tokens,), device="cuda")
@@ -97,13 +99,14 @@ def main() -> int:
                 steps[name] = lambda r=runner, ids=ids, positions=positions: r(ids, positions, cache)
             for name, ms in median_ms(steps).items():
                 results.setdefault(name, {})[tokens] = ms
+            print(tokens, {name: round(row[tokens], 3) for name, row in results.items()}, flush=True)
     ladder = sglang_sizes(8192)
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "command": "PYTHONPATH=src python benchmarks/extend.py " + " ".join(sys.argv[1:]),
             "model": "L16 (TinyLlama: hidden 2048, 16 q / 4 kv heads, head_dim 128, FFN 5632, 16 layers), bf16, one "
                      "sequence from position 0, attention op kernels.attention"}
     lines = ["# Extend, L16 model, per front-end", "", *(f"- {k}: {v}" for k, v in meta.items()), "",
-             "ms per call (host-inclusive; median of 7 rounds of 5 calls); rel. error vs eager in brackets", "",
+             "ms per call (host-inclusive; median of 5 rounds of 3 calls); rel. error vs eager in brackets", "",
              "| T (padded to) | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
     for tokens in LENGTHS + BETWEEN:
         size = next(s for s in ladder if s >= tokens)

@@ -15,7 +15,7 @@ import piecewise
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
 import break_models as bm  # noqa: E402
-import state_models  # noqa: E402
+from fixtures import state_models  # noqa: E402
 
 MAX_TOKENS = 8
 GRAD_MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}

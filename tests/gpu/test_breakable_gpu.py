@@ -140,8 +140,8 @@ def test_a_branch_on_a_tensor_value_is_a_clear_error_naming_the_line():
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"(?s)capture_illegal.*test_breakable_gpu.py:\d+ "
                                                             r"\(`if h.sum\(\) > 0:.*waits for the device"):
         runner(torch.randn(3, 8, device="cuda"))
-    torch.cuda.synchronize()  # the CUDA context survived
-    assert torch.ones(2, device="cuda").sum().item() == 2
+    torch.cuda.synchronize()  # the CUDA context survived, random draws on the device too
+    assert torch.ones(2, device="cuda").sum().item() == 2 and torch.randn(2, device="cuda").isfinite().all()
 
 
 @piecewise.opaque_op("breakable_gpu::scale", split=True)
@@ -168,3 +168,4 @@ def test_an_unjoined_side_stream_is_a_clear_error_not_a_hang():
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"side stream.*not joined"):
         runner(torch.randn(3, 8, device="cuda"))
     torch.cuda.synchronize()
+    assert torch.randn(2, device="cuda").isfinite().all(), "random draws on the device work after the failure"

@@ -54,11 +54,7 @@ class PieceRunner:
         try:
             output = self.compiled(*args)
         except Exception as exc:
-            try:
-                end_capture(graph)
-            except Exception:
-                pass
-            torch.cuda.synchronize()
+            abandon_capture(graph)
             raise self._explain_failure(exc, args) from exc
         if end_capture(graph):
             graph.replay()  # give the outputs real values: the splitting op after this piece reads them
@@ -106,6 +102,29 @@ def end_capture(graph: torch.cuda.CUDAGraph) -> bool:
     return not empty
 
 
+def abandon_capture(graph: torch.cuda.CUDAGraph | None) -> None:
+    """End a capture that failed, and leave CUDA usable for what follows.
+
+    When ``capture_end`` fails (an invalidated capture, an unjoined side stream), torch never tells the RNG
+    generators that capture ended, and every later random draw on the device raises "Offset increment outside
+    graph capture". One empty capture on a fresh stream ends their capture state."""
+    if graph is not None:
+        try:
+            graph.capture_end()
+        except Exception:  # noqa: BLE001 - the capture is already invalid; the caller reports why
+            pass
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        reset = torch.cuda.CUDAGraph()
+        try:
+            reset.capture_begin()
+            end_capture(reset)
+        except Exception:  # noqa: BLE001 - nothing was captured: nothing to undo
+            pass
+    torch.cuda.synchronize()
+
+
 def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple, pool: Any) -> torch.fx.Node | None:
     """Run ``graph`` node by node, each node under its own trial capture; return the first that fails."""
     env: dict[torch.fx.Node, Any] = {}
@@ -133,6 +152,6 @@ def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple, pool: An
             finally:
                 end_capture(trial)
         except Exception:
-            torch.cuda.synchronize()
+            abandon_capture(None)
             return node
     return None

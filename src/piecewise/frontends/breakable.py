@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _compat
 from ..capture.buffers import InputStager, RowBuffer, map_tensors
-from ..capture.pieces import end_capture
+from ..capture.pieces import abandon_capture, end_capture
 from ..capture.state import CaptureState, Phase
 from ..capture.stats import Stats
 from ..config import CaptureConfig
@@ -134,6 +134,8 @@ class BreakableFrontend:
         self.buffers: dict[tuple[int, int], RowBuffer] = {}  # (call index in the forward, output) → buffer
         self.buffer_storages: set[int] = set()
         self.graphs_allowed = True
+        self.kinds: dict[Any, str] = {}
+        """Op overload → what the interceptor does with it (``_kind``), decided once per op."""
 
     def run(self, arguments: dict[str, Any]) -> Any:
         """The forward on ``arguments`` for ``state.call``: plain (direct), padded, captured or replayed."""
@@ -224,7 +226,9 @@ class _Interceptor(TorchDispatchMode):
         try:
             recorded = end_capture(graph)
         except RuntimeError as exc:
-            torch.cuda.synchronize()
+            abandon_capture(None)
+            if at != "the end of the forward":
+                at = f"{at} at {self._line()}"
             raise CaptureFailed(
                 f"piecewise [capture_illegal]: the CUDA graph from {self.where} to {at} cannot be closed: {exc}. "
                 f"The usual cause is a side stream forked in that stretch (stream.wait_stream(...) then work on "
@@ -238,21 +242,22 @@ class _Interceptor(TorchDispatchMode):
     def _abort(self) -> None:
         graph, self.graph = self.graph, None
         if graph is not None:
-            try:
-                graph.capture_end()
-            except Exception:  # noqa: BLE001 - the capture is already invalid; the original error matters
-                pass
-            torch.cuda.synchronize()
+            abandon_capture(graph)
 
     # --- ops --------------------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func._schema.name
-        if name in self.frontend.splitting:
-            return self._split(func, name, args, kwargs, cut_write=False)
-        written = _written(func, args, kwargs)
-        if written:
+        kinds = self.frontend.kinds
+        kind = kinds.get(func)
+        if kind is None:
+            kind = kinds[func] = _kind(func, self.frontend.splitting)
+        if kind is _PLAIN:
+            return func(*args, **kwargs)
+        if kind is _SPLIT:
+            return self._split(func, func._schema.name, args, kwargs)
+        if kind is _WRITES:
+            written = _written(func, args, kwargs)
             static = [t for t in written if _storage(t) in self.frontend.static]
             if static and func.overloadpacket.__name__ in ACCUMULATING_METHODS:
                 raise ForwardRefused(
@@ -271,8 +276,8 @@ class _Interceptor(TorchDispatchMode):
                     "token_argument_write", user_chain(),
                 )
             if static and self.rows != self.size and self._token_leaves(tree_flatten((args, kwargs))[0]):
-                return self._split(func, name, args, kwargs, cut_write=True)
-        if self.graph is not None and name in _HOST_SYNC:
+                return self._split(func, func._schema.name, args, kwargs)
+        elif kind is _SYNCS and self.graph is not None:
             self._abort()
             raise CaptureFailed(
                 f"piecewise [capture_illegal]: `{func.overloadpacket.__name__}` at {self._line()} waits for the "
@@ -292,10 +297,11 @@ class _Interceptor(TorchDispatchMode):
         return [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
                 and leaf.shape[0] == self.size and _storage(leaf) not in static]
 
-    def _split(self, func, name: str, args: tuple, kwargs: dict, cut_write: bool) -> Any:
+    def _split(self, func, name: str, args: tuple, kwargs: dict) -> Any:
         self.frontend.state.splitting_op_calls += 1
-        where = f"`{name}` at {self._line()}" if self.recording is not None else name
-        self._end(at=where)
+        where = f"`{name}`"
+        if self.recording is not None:
+            self._end(at=where)
         leaves, spec = tree_flatten((args, kwargs))
         token_leaves = self._token_leaves(leaves)
         written = {id(t) for t in _written(func, args, kwargs)}
@@ -345,6 +351,18 @@ class _Interceptor(TorchDispatchMode):
             buffers.append(buffer)
             staged.append(buffer.rows(self.size))
         return (staged[0] if single else type(result)(staged)), buffers, single
+
+
+_PLAIN, _SPLIT, _WRITES, _SYNCS = "plain", "split", "writes", "syncs"
+
+
+def _kind(func, splitting: frozenset[str]) -> str:
+    name = func._schema.name
+    if name in splitting:
+        return _SPLIT
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        return _WRITES
+    return _SYNCS if name in _HOST_SYNC else _PLAIN
 
 
 _WRITTEN: dict[Any, list[tuple[int, str]]] = {}
