@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import piecewise
 from piecewise.kernels.nvfp4 import dequantize, global_scale_for, quantize
 from piecewise.kernels.nvfp4.moe import BLOCK_M, align, moe_nvfp4_reference
-from piecewise.kernels.nvfp4.ops import moe_op
+from piecewise.kernels.nvfp4.moe import moe_op
 
 
 @settings(max_examples=60, deadline=None)

@@ -244,7 +244,7 @@ def add_checkpoint(subparsers: argparse._SubParsersAction) -> None:
 def run_checkpoint(options: argparse.Namespace) -> int:
     import json
 
-    from .integrations.modelopt import inspect_checkpoint
+    from .integrations.modelopt_inspect import inspect_checkpoint
 
     try:
         found = inspect_checkpoint(options.folder)

@@ -6,7 +6,7 @@ import torch
 import piecewise
 from piecewise.kernels.nvfp4 import global_scale_for, quantize
 from piecewise.kernels.nvfp4.moe import moe_nvfp4_reference
-from piecewise.kernels.nvfp4.ops import moe_op
+from piecewise.kernels.nvfp4.moe import moe_op
 
 pytestmark = pytest.mark.gpu
 

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 

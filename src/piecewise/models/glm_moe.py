@@ -25,7 +25,7 @@ from torch import nn
 from ..kernels.nvfp4 import global_scale_for, quantize
 from ..kernels.nvfp4.module import apply_keeping_scales, encode_scale_problem
 from ..kernels.nvfp4.moe import moe_nvfp4_reference
-from ..kernels.nvfp4.ops import moe_op
+from ..kernels.nvfp4.moe import moe_op
 from ..kernels.routing import routed_sum
 from ..opaque import opaque_op
 from ..parallel import reduce_partial

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...opaque import opaque_op
 from ..routing import routed_sum
 from .functional import linear
 
@@ -156,3 +157,17 @@ def moe_nvfp4_reference(x, ids, weights, gate_up, gate_up_scale, gate_up_scale_2
         return linear(F.silu(gate) * up, down[index], down_scale[index], down_scale_2[index])
 
     return routed_sum(x, ids, weights, gate_up.shape[0], expert)
+
+
+def _moe_fake(x, ids, weights, gate_up, gate_up_scale, gate_up_scale_2, down, down_scale, down_scale_2):
+    return torch.empty_like(x)
+
+
+@opaque_op("piecewise_nvfp4::moe", fake=_moe_fake)
+def moe_op(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
+    gate_up_scale_2: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor, down_scale_2: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts with NVFP4 weights: static shapes on CUDA, the reference loop on CPU."""
+    run = moe_nvfp4_cuda if x.is_cuda else moe_nvfp4_reference
+    return run(x, ids, weights, gate_up, gate_up_scale, gate_up_scale_2, down, down_scale, down_scale_2)

@@ -54,19 +54,3 @@ def w4a16_linear_op(
     from .triton_gemm import w4a16_linear
 
     return w4a16_linear(x, weight, scales, decode_scale, bias)
-
-
-def _moe_fake(x, ids, weights, gate_up, gate_up_scale, gate_up_scale_2, down, down_scale, down_scale_2):
-    return torch.empty_like(x)
-
-
-@opaque_op("piecewise_nvfp4::moe", fake=_moe_fake)
-def moe_op(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
-    gate_up_scale_2: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor, down_scale_2: torch.Tensor,
-) -> torch.Tensor:
-    """Routed SwiGLU experts with NVFP4 weights (``moe.py``): static shapes on CUDA, the reference loop on CPU."""
-    from .moe import moe_nvfp4_cuda, moe_nvfp4_reference
-
-    run = moe_nvfp4_cuda if x.is_cuda else moe_nvfp4_reference
-    return run(x, ids, weights, gate_up, gate_up_scale, gate_up_scale_2, down, down_scale, down_scale_2)
