@@ -20,6 +20,8 @@ from .context import ForwardContext, context
 _EXPORTS = {
     "Blocker": "piecewise.diagnostics",
     "CaptureBlockedError": "piecewise.errors",
+    "VerificationError": "piecewise.errors",
+    "VerifyReport": "piecewise.runtime.verify",
     "DoctorReport": "piecewise.diagnose",
     "doctor": "piecewise.diagnose",
     "opaque_op": "piecewise.opaque",
@@ -34,7 +36,8 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .diagnostics import Blocker
     from .diagnose import DoctorReport, doctor
-    from .errors import CaptureBlockedError
+    from .errors import CaptureBlockedError, VerificationError
+    from .runtime.verify import VerifyReport
     from .opaque import opaque_op, wrap_opaque
     from .runtime import PiecewiseModel, compile
 

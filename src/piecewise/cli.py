@@ -3,6 +3,7 @@
     piecewise doctor path/to/file.py:factory [--json]
     piecewise run path/to/file.py:factory [--max-tokens N] [--compiler eager|inductor] [--json]
     piecewise checkpoint path/to/nvfp4-checkpoint [--json]
+    piecewise verify path/to/file.py:factory [--max-tokens N] [--frontend auto|dynamo|breakable] [--json PATH]
 
 ``factory()`` returns ``(model, args)`` or ``(model, args, kwargs)``. Exit status: 0 capture-safe,
 1 blockers found (the report says which and how to fix them), 2 usage errors.
@@ -44,6 +45,8 @@ class Target:
     model: Any
     args: tuple
     kwargs: dict = field(default_factory=dict)
+    make_inputs: Callable | None = None
+    """``<factory>_inputs(num_tokens)`` beside the factory, when the file defines one (``piecewise verify``)."""
 
 
 # --- loading targets -----------------------------------------------------------------------------------
@@ -106,7 +109,10 @@ def load_target(target: str) -> Target:
     except Exception as exc:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         raise UsageError(f"{path}:{factory_name}() raised {detail}") from exc
-    return _check_result(result, f"{path}:{factory_name}()")
+    found = _check_result(result, f"{path}:{factory_name}()")
+    make_inputs = getattr(module, f"{factory_name}_inputs", None)
+    found.make_inputs = make_inputs if callable(make_inputs) else None
+    return found
 
 
 def _check_result(result: Any, where: str) -> Target:
@@ -272,7 +278,41 @@ def run_checkpoint(options: argparse.Namespace) -> int:
     return EXIT_OK if not found["problems"] else EXIT_BLOCKED
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_doctor, add_run, add_checkpoint]
+def add_verify(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subcommand(
+        subparsers, "verify", run_verify, "check every captured size against eager, padded rows included",
+        "Compile the target's model, capture, then run every capture size (the size, one token below it and the "
+        "smallest count that pads to it) with inputs other than the capture's, comparing outputs and written "
+        "state with eager. Inputs come from the factory's example, or from FACTORY_inputs(num_tokens) when the "
+        "file defines it. Exit 0 when every size matches, 1 on a mismatch (the report names where the forward "
+        "parts from eager), 2 on usage errors.")
+    parser.add_argument("target", help="path/to/file.py:factory or module:factory; factory() returns (model, args[, kwargs])")
+    parser.add_argument("--max-tokens", type=int, default=64, help="largest captured token count (default 64)")
+    parser.add_argument("--frontend", default="auto", choices=["auto", "dynamo", "breakable"], help="front-end")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+
+
+def run_verify(options: argparse.Namespace) -> int:
+    target = load_target(options.target)  # first: a bad target is a usage error before torch is imported
+
+    import piecewise
+
+    try:
+        config = piecewise.CaptureConfig(max_tokens=options.max_tokens, frontend=options.frontend)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    runner = piecewise.compile(target.model, config)
+    report = runner.verify(*target.args, make_inputs=target.make_inputs, **target.kwargs)
+    from rich.console import Console
+
+    report.render(Console(soft_wrap=not sys.stdout.isatty()))
+    if options.json:
+        with open(options.json, "w") as f:
+            f.write(report.to_json() + "\n")
+    return EXIT_OK if report.ok else EXIT_BLOCKED
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_doctor, add_run, add_checkpoint, add_verify]
 
 
 def build_parser() -> argparse.ArgumentParser:

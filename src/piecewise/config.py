@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 SIZE_SCHEDULES = ("vllm", "sglang")
 COMPILERS = ("eager", "inductor")
 FRONTENDS = ("auto", "dynamo", "breakable")
+VERIFY = ("off", "first_last", "all")
 DEFAULT_MAX_TOKENS = 512
 
 
@@ -68,6 +69,11 @@ class CaptureConfig:
     """Run a call without graphs when its capture size is more than this factor above its real token count
     (SGLang uses 2 for prefill). None: every call up to the top of the graphs is padded and replayed."""
 
+    verify: str = "off"
+    """Check the graphs against eager at the first call, after capture (see ``PiecewiseModel.verify``):
+    ``"off"``, ``"first_last"`` (the smallest and the largest size) or ``"all"``. A mismatch raises
+    ``piecewise.VerificationError`` with the report."""
+
     strict: bool = False
     """True: the Dynamo front-end must take the forward whole. Code Dynamo cannot trace raises
     ``piecewise.CaptureBlockedError`` naming the blocker, its call chain and the fix, instead of the fallback
@@ -98,6 +104,8 @@ class CaptureConfig:
             )
         if self.compiler not in COMPILERS:
             raise ValueError(f"CaptureConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        if self.verify not in VERIFY:
+            raise ValueError(f"CaptureConfig.verify must be one of {VERIFY}, got {self.verify!r}")
         if self.frontend not in FRONTENDS:
             raise ValueError(f"CaptureConfig.frontend must be one of {FRONTENDS}, got {self.frontend!r}")
         if self.frontend == "breakable" and self.compiler != "eager":

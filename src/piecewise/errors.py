@@ -58,3 +58,12 @@ class CaptureBlockedError(RuntimeError):
             f"call chain and fix below (piecewise.doctor(model, *args) checks a model the same way)."
         )
         super().__init__("\n\n".join([head, *(blocker.format() for blocker in self.blockers)]))
+
+
+class VerificationError(RuntimeError):
+    """``CaptureConfig(verify=...)`` found a captured size whose results differ from eager; ``.report`` says
+    which sizes, by how much, and where the forward parts from eager."""
+
+    def __init__(self, report: Any):
+        self.report = report
+        super().__init__(f"piecewise: the captured graphs differ from eager:\n{report}")

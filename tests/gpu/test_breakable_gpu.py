@@ -169,3 +169,54 @@ def test_an_unjoined_side_stream_is_a_clear_error_not_a_hang():
         runner(torch.randn(3, 8, device="cuda"))
     torch.cuda.synchronize()
     assert torch.randn(2, device="cuda").isfinite().all(), "random draws on the device work after the failure"
+
+
+class ReadsPositions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, positions):
+        end = int(positions.max()) + 1  # per-call metadata read into Python outside a splitting op
+        return self.linear(x) * end
+
+
+def test_per_call_metadata_read_into_python_outside_a_splitting_op_is_named_with_its_line():
+    runner = piecewise.compile(ReadsPositions().cuda(), piecewise.CaptureConfig(max_tokens=4, frontend="breakable"))
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"(?s)capture_illegal.*test_breakable_gpu.py:\d+ "
+                                                            r"\(`end = int\(positions.max\(\)\) \+ 1"):
+        runner(torch.randn(3, 8, device="cuda"), torch.arange(3, device="cuda"))
+
+
+class Switch(torch.nn.Module):
+    """A Python-side decision: ``self.double`` is read while the forward runs, so capture freezes its value."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = bm.make(None, "no_cache", device="cuda")
+        self.double = False
+
+    def forward(self, input_ids, positions, cache):
+        logits = self.inner(input_ids, positions, cache)
+        return logits * 2 if self.double else logits
+
+
+@pytest.mark.parametrize("frontend", ["breakable", "dynamo"])
+def test_verify_on_cuda_graphs_passes_a_correct_model_and_catches_a_decision_frozen_at_capture(frontend):
+    model = Switch()
+    cache = model.inner.make_cache()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad():
+        runner(torch.randint(0, 64, (5,), device="cuda"), torch.arange(5, device="cuda"), cache)
+    before = cache.clone()
+    report = runner.verify()
+    assert report.ok and report.cuda_graphs, str(report)
+    assert torch.equal(cache, before)
+    model.double = True  # the graphs keep the old branch; eager takes the new one
+    report = runner.verify()
+    if frontend == "breakable":
+        assert not report.ok
+        assert all("replaying the graphs" in r.diverges and "after `break_models::attend_local`" in r.diverges
+                   for r in report.results if not r.ok)
+    else:  # Dynamo guards on the attribute: the changed forward is traced again and runs without graphs
+        assert report.ok

@@ -12,7 +12,7 @@ import torch
 from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dim
 from ..opaque import op_name, opaque_op_info
 from .buffers import RowBuffer
-from .state import CaptureState, Phase
+from .state import CaptureState, Phase, probe_call
 
 
 class SplitOpRunner:
@@ -24,6 +24,8 @@ class SplitOpRunner:
         self.module = module
         self.op_name = op_name
         self.state = state
+        self.is_cut = any_dim
+        """An in-place write cut out of the pieces (not a splitting op of the model)."""
         # Splitting ops take tokens in dimension 0. An in-place write cut out of the pieces (any_dim) may take
         # them in another (a [batch, heads, tokens, dim] cache write): its inputs are cut along that dimension.
         values = placeholder_values(module)
@@ -86,6 +88,8 @@ class SplitOpRunner:
             return self.call(*args)
         rows, size = call.num_tokens, call.size
         call_args = args if rows == size else self._real_rows(args, rows, size, call.phase is Phase.REPLAY)
+        if state.probe is not None and not self.is_cut:
+            probe_call(state, call_args)
         result = self.call(*call_args)
         if self.single_output:
             return self._stage(0, result, rows, size, args)

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 class Phase(enum.Enum):
     """What a call does with the graphs."""
@@ -51,3 +53,11 @@ class CaptureState:
     """Runners that recorded a graph for the size being captured (their outputs become non-owning aliases)."""
     replays: int = 0
     splitting_op_calls: int = 0
+    probe: list | None = None
+    """``verify`` sets a list here: every splitting-op call appends the tensors it is given (real rows)."""
+
+
+def probe_call(state: CaptureState, args: Any, kwargs: Any = None) -> None:
+    """Record a splitting-op call's tensor inputs for ``verify`` (copies: the buffers are overwritten later)."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+    state.probe.append([leaf.detach().clone() for leaf in leaves if isinstance(leaf, torch.Tensor)])

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import _compat
 from ..capture.buffers import InputStager, RowBuffer, map_tensors
 from ..capture.pieces import abandon_capture, end_capture
-from ..capture.state import CaptureState, Phase
+from ..capture.state import CaptureState, Phase, probe_call
 from ..capture.stats import Stats
 from ..config import CaptureConfig
 from ..context import context, forward_context
@@ -49,10 +49,12 @@ def _storage(tensor: torch.Tensor) -> int:
 class _Step:
     """One splitting-op call (or cut-out write) recorded at capture, replayed between two graphs."""
 
-    __slots__ = ("call", "leaves", "spec", "token_leaves", "zero_after", "buffers", "single", "sliced")
+    __slots__ = ("call", "leaves", "spec", "token_leaves", "zero_after", "buffers", "single", "sliced", "probed")
 
     def __init__(self, call: Callable, leaves: list, spec: Any, token_leaves: list[int], zero_after: list[int],
-                 buffers: list[RowBuffer | None], single: bool):
+                 buffers: list[RowBuffer | None], single: bool, probed: bool):
+        self.probed = probed
+        """A splitting op of the model (not a cut-out write): ``verify`` records its inputs."""
         self.call, self.leaves, self.spec = call, leaves, spec
         self.token_leaves, self.zero_after = token_leaves, zero_after
         self.buffers, self.single = buffers, single
@@ -68,8 +70,10 @@ class _Step:
             cached = self.sliced[rows] = tree_unflatten(leaves, self.spec)
         return cached
 
-    def run(self, rows: int, size: int) -> None:
+    def run(self, rows: int, size: int, state: CaptureState) -> None:
         args, kwargs = self.arguments(rows, size)
+        if state.probe is not None and self.probed:
+            probe_call(state, args, kwargs)
         result = self.call(*args, **kwargs)
         for index in self.zero_after:
             if rows != size:
@@ -100,11 +104,11 @@ class Recording:
     def graphs(self) -> int:
         return sum(1 for step in self.steps if isinstance(step, torch.cuda.CUDAGraph))
 
-    def replay(self, rows: int) -> Any:
+    def replay(self, rows: int, state: CaptureState) -> Any:
         size = self.size
         for step in self.steps:
             if isinstance(step, _Step):
-                step.run(rows, size)
+                step.run(rows, size, state)
             else:
                 step.replay()
         return self.output
@@ -145,7 +149,7 @@ class BreakableFrontend:
         if call.phase is Phase.REPLAY:
             recording = self.recordings.get(call.size)
             if recording is not None:
-                output = recording.replay(call.num_tokens)
+                output = recording.replay(call.num_tokens, self.state)
                 self.state.replays += recording.graphs
                 self.stats.replays += recording.graphs
                 self.state.splitting_op_calls = len(recording.steps) - recording.graphs
@@ -315,6 +319,8 @@ class _Interceptor(TorchDispatchMode):
             for index in token_leaves:
                 sliced[index] = sliced[index][: self.rows]
             call_args, call_kwargs = tree_unflatten(sliced, spec)
+        if self.frontend.state.probe is not None and name in self.frontend.splitting:
+            probe_call(self.frontend.state, call_args, call_kwargs)
         # Inside __torch_dispatch__ the mode is off: the op's own ops are not the forward's.
         ctx = context()
         with forward_context(self.rows, self.size, capturing=False, rehearsal=bool(ctx and ctx.rehearsal)):
@@ -324,7 +330,8 @@ class _Interceptor(TorchDispatchMode):
                 leaves[index][self.rows : self.size].zero_()
         staged, buffers, single = self._stage(result, args, bool(token_leaves))
         if self.recording is not None:
-            self.recording.steps.append(_Step(call, leaves, spec, token_leaves, zero_after, buffers, single))
+            self.recording.steps.append(_Step(call, leaves, spec, token_leaves, zero_after, buffers, single,
+                                              name in self.frontend.splitting))
         self.calls += 1
         self.where = where
         self._begin()

@@ -18,10 +18,11 @@ from .. import _compat
 from ..capture.session import capture_session
 from ..capture.state import Call, Phase
 from ..context import forward_context
-from ..errors import BlockerKind, ForwardRefused
+from ..errors import BlockerKind, ForwardRefused, VerificationError
 from ..frontends.breakable import BreakableFrontend
 from ..frontends.dynamo import DynamoFrontend
 from ..frontends.dynamo_trace import DynamoBlocked
+from .verify import verify
 
 if TYPE_CHECKING:
     from .model import PiecewiseModel
@@ -90,6 +91,14 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     if not use_graphs:
         reason = "disabled by CaptureConfig(cuda_graphs=False)" if not runner.config.cuda_graphs else "no CUDA"
         logger.info("piecewise: pieces run without CUDA graphs (%s)", reason)
+    if runner.config.verify != "off":
+        sizes = runner.ladder.sizes if runner.config.verify == "all" else sorted({runner.ladder.sizes[0],
+                                                                                 runner.ladder.sizes[-1]})
+        started = time.perf_counter()
+        report = verify(runner, arguments, sizes)
+        logger.info("piecewise: verified %d size(s) in %.2f s", len(sizes), time.perf_counter() - started)
+        if not report.ok:
+            raise VerificationError(report)
 
 
 def _dynamo(runner: "PiecewiseModel", on_blocker: str) -> DynamoFrontend:

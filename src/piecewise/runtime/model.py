@@ -21,6 +21,7 @@ from ..config import CaptureConfig
 from ..context import forward_context
 from . import first_call
 from .arguments import Arguments
+from .verify import VerifyReport, verify
 from .watch import ParameterWatch
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,24 @@ class PiecewiseModel:
         self.last_arguments = arguments
         with self.watch, torch.no_grad():
             self._prepare(arguments)
+
+    def verify(self, *args, sizes: list[int] | None = None, make_inputs=None, **kwargs) -> VerifyReport:
+        """Check every captured size (or ``sizes``) against the eager model: per size the size itself, one token
+        below it and the smallest count that pads to it, with inputs other than the capture's (made from these
+        example arguments, or the last call's; ``make_inputs(num_tokens)`` returns ``args`` or ``(args,
+        kwargs)`` instead). Outputs and written static tensors (KV caches) are compared within a dtype-aware
+        tolerance; a mismatch names the stretch of the forward where the runner first parts from eager. Static
+        tensors are restored afterwards. Captures first if this runner has not run yet."""
+        if args or kwargs:
+            example = self.arguments.bind(args, kwargs)
+            if not self._prepared:
+                self.capture(*args, **kwargs)
+        elif self.last_arguments is not None:
+            example = self.last_arguments
+        else:
+            raise ValueError("PiecewiseModel.verify() needs example inputs: call it with the model's arguments")
+        with self.watch, torch.no_grad():
+            return verify(self, example, sizes, make_inputs)
 
     def release_graphs(self) -> None:
         """Destroy every captured CUDA graph and the memory pool they share; later calls run the same pieces

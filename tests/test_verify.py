@@ -1,0 +1,113 @@
+"""``verify``: every size against eager with inputs other than the capture's; state restored; a mismatch says
+where the forward parts from eager; ``CaptureConfig(verify=...)``; ``piecewise verify`` exit codes and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import piecewise
+from piecewise.cli import main
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
+import break_models as bm  # noqa: E402
+import doctor_targets  # noqa: E402
+
+TARGETS = doctor_targets.__file__
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+@pytest.mark.parametrize("attention", bm.ATTENTION)
+def test_a_correct_model_passes_every_size_and_its_cache_is_put_back(frontend, attention):
+    model = bm.make(None, attention)
+    cache = model.make_cache()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad():
+        runner(torch.randint(0, 64, (5,)), torch.arange(5), cache)
+    before = cache.clone()
+    report = runner.verify()
+    assert report.ok, str(report)
+    assert [r.size for r in report.results] == [1, 2, 4, 8]
+    assert [r.tokens for r in report.results][-1] == [8, 7, 5]  # the size, one below, the smallest padded to it
+    assert all(r.tolerance == 1e-4 for r in report.results)
+    assert torch.equal(cache, before), "the cache verification wrote must be put back"
+    assert "match" in str(report) and "MISMATCH" not in str(report)
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_padding_rows_reaching_code_that_combines_tokens_is_a_mismatch_past_the_first_call_check(frontend):
+    model, (x,) = doctor_targets.rolls_tokens()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad():
+        runner(x)  # the first call's padding check (one pad row) cannot see it
+    report = runner.verify()
+    assert not report.ok
+    bad = [r.size for r in report.results if not r.ok]
+    assert bad == [4, 8]
+    failing = report.results[2]
+    assert failing.max_error > failing.tolerance and "output 0" in failing.worst
+    assert "no splitting call to bisect at" in failing.diverges
+    assert "padding rows reaching code that combines tokens" in str(report)
+
+
+def test_a_mismatch_names_the_stretch_between_splitting_calls_where_it_starts():
+    class Late(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = bm.make(None, "no_cache")
+
+        def forward(self, input_ids, positions, cache):
+            logits = self.inner(input_ids, positions, cache)
+            return logits + logits.roll(2, 0)  # after the last attention call
+
+    model = Late()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable"))
+    report = runner.verify(torch.randint(0, 64, (1,)), torch.arange(1), model.inner.make_cache())
+    failing = [r for r in report.results if not r.ok]
+    assert failing and all("every splitting call gets eager's inputs" in r.diverges for r in failing)
+    assert all("after `break_models::attend_local` at" in r.diverges and "break_models.py" in r.diverges
+               for r in failing)
+
+
+def test_make_inputs_overrides_the_example_and_sizes_picks_the_sizes():
+    model = bm.make(None, "writes_cache")
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable"))
+    cache = model.make_cache()
+    seen = []
+
+    def make_inputs(tokens):
+        seen.append(tokens)
+        return (torch.randint(0, 64, (tokens,)), torch.arange(tokens) + 4, cache)
+
+    report = runner.verify(torch.randint(0, 64, (3,)), torch.arange(3), cache, sizes=[4], make_inputs=make_inputs)
+    assert report.ok and [r.size for r in report.results] == [4] and seen == [4, 3]
+    with pytest.raises(ValueError, match=r"sizes \[5\] are not capture sizes.*\[1, 2, 4, 8\]"):
+        runner.verify(sizes=[5])
+
+
+def test_verify_at_the_first_call_raises_with_the_report_on_a_mismatch():
+    model, (x,) = doctor_targets.rolls_tokens()
+    good, (y,) = doctor_targets.clean_model()[0], doctor_targets.clean_model()[1]
+    with torch.no_grad():
+        runner = piecewise.compile(good, piecewise.CaptureConfig(max_tokens=8, verify="all"))
+        torch.testing.assert_close(runner(y), good(y))
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, verify="first_last"))
+        with pytest.raises(piecewise.VerificationError, match=r"(?s)differ from eager.*MISMATCH") as info:
+            runner(x)
+    assert [r.size for r in info.value.report.results] == [1, 8]
+    with pytest.raises(ValueError, match=r"CaptureConfig.verify must be one of"):
+        piecewise.CaptureConfig(verify="sometimes")
+
+
+def test_cli_verify_exit_codes_and_json(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert main(["verify", f"{TARGETS}:clean_model", "--max-tokens", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["ok"] is True and [s["size"] for s in data["sizes"]] == [1, 2, 4, 8]
+    assert main(["verify", f"{TARGETS}:rolls_tokens", "--max-tokens", "8"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+    assert main(["verify", f"{TARGETS}:no_such_factory"]) == 2
