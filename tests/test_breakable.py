@@ -129,3 +129,17 @@ def test_stats_is_typed_and_reads_like_a_dict():
         runner.stats.expect(traces=5)
     with pytest.raises(KeyError, match="no field"):
         runner.stats.expect(nosuch=1)
+
+
+def test_doctor_reports_each_front_end_and_recommends_one():
+    blocked = piecewise.doctor(bm.make("mlp", "writes_cache"), torch.randint(0, 64, (5,)), torch.arange(5),
+                               bm.make().make_cache())
+    assert blocked.frontends == {"dynamo": False, "breakable": True}
+    assert blocked.recommended[0] == "breakable" and "frontend='auto' takes it" in blocked.recommended[1]
+    assert "use breakable" in str(blocked) and blocked.to_dict()["recommended"] == "breakable"
+    clean = piecewise.doctor(bm.make(None, "writes_cache"), torch.randint(0, 64, (5,)), torch.arange(5),
+                             bm.make().make_cache())
+    assert clean.ok and clean.recommended[0] == "dynamo"
+    neither = piecewise.doctor(state_models.StepCounter(), torch.randn(3, 8))
+    assert neither.frontends == {"dynamo": False, "breakable": False} and neither.recommended[0] is None
+    assert [b.kind for b in neither.breakable_blockers] == ["state_update"]

@@ -7,6 +7,7 @@ lives on a CUDA device, asks the runtime for a trial capture that finds ops ille
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import logging
@@ -34,11 +35,32 @@ class DoctorReport:
     """Whether a trial CUDA-graph capture ran (CUDA model and a runtime that provides it)."""
     first_call_checked: bool = False
     """Whether the runtime's first call ran on the inputs (padding check, token-count guards, state writes)."""
+    breakable_blockers: list[Blocker] | None = None
+    """What stops the breakable front-end (its first call on the inputs), or None when it was not checked."""
 
     @property
     def ok(self) -> bool:
-        """True when nothing blocks capture."""
+        """True when nothing blocks capture with the Dynamo front-end (and so with every front-end)."""
         return not self.blockers
+
+    @property
+    def frontends(self) -> dict[str, bool]:
+        """Front-end → whether the model can use it, as checked."""
+        usable = {"dynamo": self.ok}
+        if self.breakable_blockers is not None:
+            usable["breakable"] = not self.breakable_blockers
+        return usable
+
+    @property
+    def recommended(self) -> tuple[str | None, str]:
+        """The front-end to use, and why."""
+        if self.ok:
+            return "dynamo", "Dynamo traces the forward whole: its pieces can be compiled with Inductor"
+        if self.breakable_blockers is not None and not self.breakable_blockers:
+            return "breakable", (f"Dynamo is blocked ({len(self.blockers)} blocker(s) below), the breakable front-end "
+                                 f"runs the forward as written; frontend='auto' takes it. Fixing the blockers brings "
+                                 f"Dynamo and Inductor fusion back")
+        return None, "neither front-end can take the forward as it is: fix the blockers below"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +69,9 @@ class DoctorReport:
             "trial_capture": self.trial_capture,
             "first_call_checked": self.first_call_checked,
             "blockers": [blocker.to_dict() for blocker in self.blockers],
+            "frontends": self.frontends,
+            "recommended": self.recommended[0],
+            "breakable_blockers": [b.to_dict() for b in self.breakable_blockers or []],
         }
 
     def to_json(self) -> str:
@@ -65,7 +90,15 @@ class DoctorReport:
             return
         console.print(Text(f"{len(self.blockers)} capture blocker(s) found (torch {self.torch_version})",
                            style="bold red"))
+        choice, reason = self.recommended
+        if self.breakable_blockers is not None:
+            console.print(Text(f"front-ends: dynamo blocked; breakable "
+                               f"{'usable' if not self.breakable_blockers else 'blocked'}"
+                               + (f" -> use {choice}: {reason}" if choice else f": {reason}"), style="bold"))
         for index, blocker in enumerate(self.blockers, start=1):
+            console.print(_panel(index, blocker))
+        for index, blocker in enumerate(self.breakable_blockers or [], start=len(self.blockers) + 1):
+            console.print(Text("breakable front-end:", style="bold"))
             console.print(_panel(index, blocker))
 
     def __str__(self) -> str:
@@ -105,12 +138,12 @@ def _on_cuda(model: Any) -> bool:
     return any(tensor.is_cuda for tensor in tensors)
 
 
-def _trial_capture(model: Any, args: tuple, kwargs: dict) -> list[Blocker] | None:
-    """Blockers from the runtime's trial capture, or None when this runtime has none."""
-    try:
-        from piecewise.runtime import trial_capture
-    except (ImportError, AttributeError):
-        logger.debug("piecewise.runtime.trial_capture is not available: skipping the trial capture")
+def _trial_capture(model: Any, args: tuple, kwargs: dict, hook: str = "trial_capture") -> list[Blocker] | None:
+    """Blockers from the runtime's trial first call (``hook``: ``trial_capture`` for the Dynamo front-end,
+    ``breakable_trial`` for the breakable one), or None when this runtime has none."""
+    trial_capture = getattr(importlib.import_module("piecewise.runtime"), hook, None)
+    if trial_capture is None:
+        logger.debug("piecewise.runtime.%s is not available: skipping the trial capture", hook)
         return None
     try:
         return list(trial_capture(model, args, kwargs))
@@ -140,5 +173,8 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
         trial = _trial_capture(model, args, kwargs) if isinstance(model, torch.nn.Module) else None
         seen = {str(b.location) for b in blockers}  # one report per line: the trace's, which comes first
         blockers.extend(b for b in trial or [] if str(b.location) not in seen)
+        breakable = None
+        if blockers and isinstance(model, torch.nn.Module):
+            breakable = _trial_capture(model, args, kwargs, "breakable_trial")
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
-                        first_call_checked=trial is not None)
+                        first_call_checked=trial is not None, breakable_blockers=breakable)

@@ -13,7 +13,7 @@ from ..errors import CaptureFailed, ForwardRefused
 from ..graph.stack import node_stack
 from .model import PiecewiseModel, compile
 
-__all__ = ["PiecewiseModel", "compile", "trial_capture"]
+__all__ = ["PiecewiseModel", "breakable_trial", "compile", "trial_capture"]
 
 
 def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: str = "dynamo") -> list:
@@ -42,3 +42,9 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: s
     finally:
         runner.release_graphs()
     return []
+
+
+def breakable_trial(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
+    """``trial_capture`` with the breakable front-end: what stops it on these inputs (``capture_illegal`` on CUDA,
+    ``token_mixing``, ``state_update``, ``token_argument_write``)."""
+    return trial_capture(model, args, kwargs, frontend="breakable")
