@@ -84,7 +84,7 @@ def run_ranks(worker, *args, world: int = 2, seconds: float = RANKS_SECONDS) -> 
                 process.join()
 
 
-def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
+def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool, frontend: str = "auto") -> None:
     with gloo_rank(rank, init_file):
         model, (ids, positions, _) = example(tokens=7, **CONFIG)  # same seed, so the same weights on every rank
         if nvfp4:
@@ -102,7 +102,7 @@ def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
         with torch.no_grad():
             eager = model(ids, positions, cache)
         assert rel_error(eager, expected[7]) <= 1e-5, rel_error(eager, expected[7])
-        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
         op = "piecewise_ops::all_reduce_in_graph" if in_graph else "piecewise_ops::all_reduce"
         calls = opaque_op_info(op).eager_calls
         with torch.no_grad():
@@ -111,7 +111,7 @@ def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
                 out = runner(ids[:tokens], positions[:tokens], cache)
                 assert rel_error(out, expected[tokens]) <= 1e-5, (tokens, rel_error(out, expected[tokens]))
         stats = runner.stats
-        assert stats["traces"] == 1
+        assert stats["traces"] == (0 if frontend == "breakable" else 1) and stats["frontend"] != "auto"
         # cut at every attention, and at both all-reduces of each layer unless they stay inside the pieces
         splits = 1 if in_graph else 3
         assert stats["pieces"] == splits * 2 + 1 and stats["splitting_op_calls"] == splits * 2
@@ -123,6 +123,12 @@ def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
 def test_two_ranks_equal_the_whole_model_eager_and_piecewise(nvfp4, in_graph):
     """Each rank's output (eager, then piecewise at 7 and 3 tokens) equals the unsharded model's."""
     run_ranks(_worker, nvfp4, in_graph)
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["all-reduce-split", "all-reduce-in-segments"])
+def test_two_ranks_with_the_breakable_front_end_equal_the_whole_model(in_graph):
+    """The breakable front-end: the all-reduce as a splitting op between segments, or run inside them."""
+    run_ranks(_worker, False, in_graph, "breakable")
 
 
 def test_all_reduce_is_a_splitting_op_unless_captured():

@@ -190,6 +190,15 @@ def check_padding(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
             )
 
 
+def _meet_other_ranks() -> None:
+    """Tensor parallelism: every rank starts capturing a size together, so that no rank's capture overlaps
+    another's eager collectives (the all-reduce splitting ops run between its graphs)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def _leading(arguments: dict[str, Any], names: list[str], rows: int) -> dict[str, Any]:
     return {**arguments, **{name: arguments[name][:rows] for name in names}}
 
@@ -203,6 +212,7 @@ def capture_all(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     sizes = runner.ladder.sizes
     with capture_session(state, len(sizes)) as advance:
         for size in reversed(sizes):
+            _meet_other_ranks()
             rows = min(tokens, size)
             staged = runner.stager.stage(_leading(arguments, given, rows), given, rows, size)
             for phase in (Phase.PADDED, Phase.CAPTURE):
