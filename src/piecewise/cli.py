@@ -134,6 +134,13 @@ def _check_result(result: Any, where: str) -> Target:
 
 # --- subcommands ---------------------------------------------------------------------------------------
 
+def _console():
+    """A rich console for stdout; piped, it does not wrap lines (file paths stay whole)."""
+    from rich.console import Console
+
+    return Console(soft_wrap=not sys.stdout.isatty())
+
+
 def _subcommand(subparsers: argparse._SubParsersAction, name: str, handler, summary: str, description: str):
     """Register subcommand ``name`` (``summary`` in ``piecewise --help``) run by ``handler(options)``."""
     parser = subparsers.add_parser(name, help=summary, description=description)
@@ -165,7 +172,7 @@ def run_doctor(options: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        report.render(Console())
+        report.render(_console())
     return EXIT_OK if report.ok else EXIT_BLOCKED
 
 
@@ -202,7 +209,13 @@ def run_run(options: argparse.Namespace) -> int:
     with torch.no_grad():
         expected = model(*reference_args, **target.kwargs)
     runner = piecewise.compile(model, config)
-    output = runner(*args, **target.kwargs)
+    try:
+        output = runner(*args, **target.kwargs)
+    except (piecewise.CaptureBlockedError, piecewise.VerificationError, ValueError, RuntimeError) as exc:
+        if not str(exc).startswith(("piecewise", "the forward")):
+            raise  # not piecewise's own refusal: the model's error, with its traceback
+        print(f"piecewise run: {str(exc).removeprefix('piecewise: ')}", file=sys.stderr)
+        return EXIT_BLOCKED
     expected_leaves = [t for t in torch.utils._pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
     output_leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
     errors = [
@@ -222,12 +235,12 @@ def run_run(options: argparse.Namespace) -> int:
         from rich.console import Console
         from rich.table import Table
 
-        console = Console()
+        console = _console()
         table = Table(title=f"piecewise run {options.target}", show_header=False)
         table.add_row("output vs eager", f"{'match' if matches else 'MISMATCH'} (relative error {worst:.2e}, tolerance {tolerance:.0e})")
         graphs = "yes" if stats["cuda_graphs"] else "no: pieces ran without graphs (no CUDA device or cuda_graphs=False)"
         table.add_row("CUDA graphs", graphs)
-        for key in ("pieces", "splitting_op_calls", "traces", "graph_breaks", "capture_sizes", "graphs",
+        for key in ("frontend", "pieces", "splitting_op_calls", "traces", "graph_breaks", "capture_sizes", "graphs",
                     "replays", "fallback_calls", "direct_calls", "capture_seconds", "pool_bytes", "prewarm_seconds"):
             value = stats[key]
             table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
@@ -274,7 +287,7 @@ def run_checkpoint(options: argparse.Namespace) -> int:
                       f"{low:.3g} .. {high:.3g}); load_modelopt_nvfp4 keeps both")
     for problem in found["problems"]:
         table.add_row("[red]problem[/red]", problem)
-    Console().print(table)
+    _console().print(table)
     return EXIT_OK if not found["problems"] else EXIT_BLOCKED
 
 
@@ -303,9 +316,7 @@ def run_verify(options: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     runner = piecewise.compile(target.model, config)
     report = runner.verify(*target.args, make_inputs=target.make_inputs, **target.kwargs)
-    from rich.console import Console
-
-    report.render(Console(soft_wrap=not sys.stdout.isatty()))
+    report.render(_console())
     if options.json:
         with open(options.json, "w") as f:
             f.write(report.to_json() + "\n")

@@ -46,6 +46,28 @@ def splitting_op_names() -> frozenset[str]:
         return frozenset(_splitting_ops)
 
 
+def resolve_splitting_ops(names: Iterable[str] | None) -> frozenset[str]:
+    """The ``"ns::name"`` of each configured splitting op (``CaptureConfig.splitting_ops``; None: every op made
+    with ``split=True``). An overload (``"ns::name.default"``) stands for its op, as vLLM accepts; a name no
+    registered op has raises ``ValueError`` listing the splitting ops piecewise knows."""
+    if names is None:
+        return splitting_op_names()
+    resolved = []
+    for name in names:
+        namespace, _, rest = name.partition("::")
+        short, _, overload = rest.partition(".")
+        packet = getattr(getattr(torch.ops, namespace, None), short, None) if short.isidentifier() else None
+        if not isinstance(packet, torch._ops.OpOverloadPacket) or (overload and overload not in packet.overloads()):
+            raise ValueError(
+                f"CaptureConfig.splitting_ops names {name!r}, which is not a registered op"
+                + (f" overload (its overloads: {packet.overloads()})" if isinstance(packet, torch._ops.OpOverloadPacket)
+                   else "") + f". Splitting ops made with piecewise.opaque_op(..., split=True): "
+                f"{sorted(splitting_op_names())}; any torch.library op can be named as 'ns::name'"
+            )
+        resolved.append(f"{namespace}::{short}")
+    return frozenset(resolved)
+
+
 def opaque_op_info(name: str) -> OpaqueOpInfo | None:
     return _opaque_ops.get(_qualify(name))
 

@@ -30,7 +30,7 @@ from ..config import CaptureConfig
 from ..context import context, forward_context
 from ..errors import CaptureFailed, ForwardRefused
 from ..graph.writes import ACCUMULATING_METHODS
-from ..opaque import opaque_op_info, splitting_op_names
+from ..opaque import opaque_op_info, resolve_splitting_ops
 from .user_frames import chain_text, user_chain
 
 logger = logging.getLogger(__name__)
@@ -131,8 +131,7 @@ class BreakableFrontend:
         self.state = state
         self.stats = stats
         self.stager = stager
-        names = config.splitting_ops if config.splitting_ops is not None else splitting_op_names()
-        self.splitting = frozenset(names)
+        self.splitting = resolve_splitting_ops(config.splitting_ops)
         self.static = {_storage(t) for t in [*model.parameters(), *model.buffers(), *static_tensors]}
         self.recordings: dict[int, Recording] = {}
         self.buffers: dict[tuple[int, int], RowBuffer] = {}  # (call index in the forward, output) → buffer

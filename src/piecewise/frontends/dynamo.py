@@ -26,7 +26,7 @@ from ..errors import ForwardRefused
 from ..graph.stack import node_stack
 from ..graph.tokens import is_token_tensor, token_mixing_nodes, user_line
 from ..graph.writes import accumulates, describe_write, writes_to_inputs
-from ..opaque import op_name, splitting_op_names
+from ..opaque import op_name, resolve_splitting_ops
 from .dynamo_graph import GraphRunner
 from .dynamo_trace import ForwardTracer
 
@@ -52,7 +52,7 @@ class DynamoFrontend:
         self.token_names = token_names
 
     def splitting_ops(self) -> frozenset[str]:
-        return frozenset(self.config.splitting_ops) if self.config.splitting_ops is not None else splitting_op_names()
+        return resolve_splitting_ops(self.config.splitting_ops)
 
     def run(self, arguments: dict[str, Any]) -> Any:
         """The forward on ``arguments`` (staged for a padded call) for ``state.call``."""

@@ -124,7 +124,10 @@ class ForwardTracer:
             if self.direct.broken:
                 self.direct = None
         try:
-            with _compat.tracing_patches():  # retraces (new argument types) too: sizes 0/1 stay unspecialised
+            with _compat.tracing_patches(), warnings.catch_warnings():  # retraces too: sizes 0/1 stay unspecialised
+                # Dynamo's own warnings about what it traces into (a cached function, an unknown builtin) are
+                # about code piecewise reports itself, as blockers with their fix.
+                warnings.filterwarnings("ignore", module=r"torch\._dynamo")
                 if self.first_trace_done:
                     return self.compiled(*args, **kwargs)
                 try:

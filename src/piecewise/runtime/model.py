@@ -19,6 +19,7 @@ from ..capture.state import IDLE, Call, CaptureState, Phase
 from ..capture.stats import Stats
 from ..config import CaptureConfig
 from ..context import forward_context
+from ..opaque import resolve_splitting_ops
 from . import first_call
 from .arguments import Arguments
 from .verify import VerifyReport, verify
@@ -46,6 +47,8 @@ class PiecewiseModel:
             )
         self.model = model
         self.config = config
+        if config.splitting_ops is not None:
+            resolve_splitting_ops(config.splitting_ops)  # an unknown name is an error now, not at the first call
         self.arguments = Arguments(model, dynamic)
         self.state = CaptureState(max_tokens=config.max_tokens)
         self.ladder = Ladder(config.sizes, config.max_padding_factor)
@@ -73,17 +76,22 @@ class PiecewiseModel:
                     self.frontend.add_static(tensor)
         self.arguments.check_static(arguments)
         self.last_arguments = arguments
-        with self.watch, torch.no_grad():
+        # Inference semantics for everything piecewise runs, whatever the caller's grad mode: no autograd graph,
+        # and piecewise's buffers are inference tensors that every later call may write. The outputs are copied
+        # outside, so that the caller gets ordinary tensors.
+        with self.watch, torch.inference_mode():
             if not self._prepared:
                 self._prepare(arguments)
             size = self.ladder.bucket(tokens)
             if size is None:
-                return self._run_direct(arguments, tokens)
-            staged = self.stager.stage(arguments, self.arguments.given_tokens(arguments), tokens, size)
-            phase = Phase.REPLAY if self.state.capture_done else Phase.PADDED
-            self.stats.padded_calls += 1
-            output = self.run_call(Call(phase, size, tokens), staged)
-            return self.finish(output, tokens, size)
+                output = self._run_direct(arguments, tokens)
+                size = tokens
+            else:
+                staged = self.stager.stage(arguments, self.arguments.given_tokens(arguments), tokens, size)
+                phase = Phase.REPLAY if self.state.capture_done else Phase.PADDED
+                self.stats.padded_calls += 1
+                output = self.run_call(Call(phase, size, tokens), staged)
+        return self.finish(output, tokens, size)
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
         self._prepared = True
@@ -94,10 +102,18 @@ class PiecewiseModel:
             raise
 
     def _run_direct(self, arguments: dict[str, Any], tokens: int) -> Any:
+        """Without padding or graphs. Token arguments go in as aliases made here, in inference mode, like the
+        staged buffers of padded calls: to Dynamo's guards both kinds of call look the same, whether the caller's
+        tensors were made inside ``torch.inference_mode()`` or outside."""
+        direct = dict(arguments)
         for name in self.arguments.given_tokens(arguments):
-            _compat.mark_token_dim(arguments[name], 0)
+            value = arguments[name]
+            if not value.is_inference():
+                value = _compat.storage_alias(value, value.shape[0])
+            _compat.mark_token_dim(value, 0)
+            direct[name] = value
         self.stats.fallback_calls += 1
-        return self.run_call(Call(Phase.DIRECT, tokens, tokens), arguments)
+        return self.run_call(Call(Phase.DIRECT, tokens, tokens), direct)
 
     def run_call(self, call: Call, arguments: dict[str, Any], rehearsal: bool = False) -> Any:
         """Run the front-end's forward for ``call``: the one place the call descriptor is set."""
@@ -144,7 +160,7 @@ class PiecewiseModel:
         if self._prepared:
             return
         self.last_arguments = arguments
-        with self.watch, torch.no_grad():
+        with self.watch, torch.inference_mode():
             self._prepare(arguments)
 
     def verify(self, *args, sizes: list[int] | None = None, make_inputs=None, **kwargs) -> VerifyReport:
@@ -162,7 +178,7 @@ class PiecewiseModel:
             example = self.last_arguments
         else:
             raise ValueError("PiecewiseModel.verify() needs example inputs: call it with the model's arguments")
-        with self.watch, torch.no_grad():
+        with self.watch:
             return verify(self, example, sizes, make_inputs)
 
     def release_graphs(self) -> None:

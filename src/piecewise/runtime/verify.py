@@ -137,6 +137,12 @@ def default_inputs(runner: "PiecewiseModel", example: dict[str, Any]) -> Callabl
 def verify(runner: "PiecewiseModel", example: dict[str, Any], sizes: list[int] | None = None,
            make_inputs: Callable[[int], Any] | None = None) -> VerifyReport:
     """See ``PiecewiseModel.verify``."""
+    with torch.inference_mode():  # the runner's own mode: its buffers are inference tensors
+        return _verify(runner, example, sizes, make_inputs)
+
+
+def _verify(runner: "PiecewiseModel", example: dict[str, Any], sizes: list[int] | None,
+            make_inputs: Callable[[int], Any] | None) -> VerifyReport:
     ladder = list(runner.ladder.sizes)
     chosen = sorted(sizes) if sizes is not None else (runner.stats.captured_sizes or ladder)
     unknown = [s for s in chosen if s not in ladder]
@@ -235,8 +241,7 @@ def _bisect(runner, tokens: int, inputs: dict[str, Any], static, saved) -> str:
     staged = runner.stager.stage(inputs, names, tokens, size)
     state.probe = []
     try:
-        with torch.no_grad():
-            runner.run_call(Call(phase, size, tokens), staged)
+        runner.run_call(Call(phase, size, tokens), staged)
         calls = state.probe
     finally:
         state.probe = None
