@@ -127,7 +127,7 @@ class ForwardTracer:
             with _compat.tracing_patches(), warnings.catch_warnings():  # retraces too: sizes 0/1 stay unspecialised
                 # Dynamo's own warnings about what it traces into (a cached function, an unknown builtin) are
                 # about code piecewise reports itself, as blockers with their fix.
-                warnings.filterwarnings("ignore", module=r"torch\._dynamo")
+                warnings.filterwarnings("ignore", message=r"Dynamo (detected|does not know)", category=UserWarning)
                 if self.first_trace_done:
                     return self.compiled(*args, **kwargs)
                 try:
