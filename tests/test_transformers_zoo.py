@@ -80,7 +80,7 @@ def build(name: str):
     return model
 
 
-def prefill_then_decode(name: str, device: str = "cpu"):
+def prefill_then_decode(name: str, device: str = "cpu", frontend: str = "auto"):
     """``name``'s model on ``device``: (piecewise logits of a 6-token prefill and 5 decode steps, transformers'
     logits of the whole sequence, the runner)."""
     model = build(name).to(device)
@@ -88,7 +88,7 @@ def prefill_then_decode(name: str, device: str = "cpu"):
     with torch.no_grad():
         expected = model(input_ids=ids[None], use_cache=False).logits[0]
     token_model = TokenModel(enable(model))
-    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend))
     cache = token_model.make_kv_cache(max_seq_len=32)
     with torch.no_grad():
         logits = [runner(ids[:6], torch.arange(6, device=device), cache)]
@@ -107,7 +107,17 @@ def test_prefill_then_decode_equals_transformers(name):
         assert stats["capture_sizes"][0] == 2
 
 
-def decode_through_slots(name: str, device: str = "cpu"):
+@pytest.mark.parametrize("name", NAMES)
+def test_the_breakable_front_end_equals_transformers_for_one_sequence_and_for_three_through_slots(name):
+    logits, expected, runner = prefill_then_decode(name, frontend="breakable")
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    runner.stats.expect(frontend="breakable", traces=0)
+    got, expected, runner = decode_through_slots(name, frontend="breakable")
+    for logits, reference in zip(got, expected):
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+
+
+def decode_through_slots(name: str, device: str = "cpu", frontend: str = "auto"):
     """Three prompts prefilled one by one into their slots, then decoded together (one token of each per call,
     the shorter ones dropping out): ([piecewise logits per sequence], [transformers' logits per sequence], runner)."""
     model = build(name).to(device)
@@ -116,7 +126,7 @@ def decode_through_slots(name: str, device: str = "cpu"):
     with torch.no_grad():
         expected = [model(input_ids=s[None], use_cache=False).logits[0] for s in sequences]
     token_model = TokenModel(enable(model))
-    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend))
     cache = token_model.make_kv_cache(max_seq_len=32, sequences=3)
     positions = [3, 2, 5]
     got = [[] for _ in sequences]
