@@ -143,3 +143,27 @@ def test_doctor_reports_each_front_end_and_recommends_one():
     neither = piecewise.doctor(state_models.StepCounter(), torch.randn(3, 8))
     assert neither.frontends == {"dynamo": False, "breakable": False} and neither.recommended[0] is None
     assert [b.kind for b in neither.breakable_blockers] == ["state_update"]
+
+
+@piecewise.opaque_op("test_breakable::offset_rows")
+def offset_rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return x + positions[:, None].to(x.dtype)
+
+
+class MetadataOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, positions):
+        return offset_rows(self.linear(x), positions)
+
+
+def test_doctor_warns_about_an_opaque_op_that_takes_per_call_metadata_and_is_not_a_splitting_op():
+    report = piecewise.doctor(MetadataOp(), torch.randn(5, 8), torch.arange(5))
+    assert report.ok and len(report.warnings) == 1
+    assert "`test_breakable::offset_rows`" in report.warnings[0] and "positions" in report.warnings[0]
+    assert "test_breakable.py:" in report.warnings[0] and "split=True" in report.warnings[0]
+    assert "warning:" in str(report)
+    assert not piecewise.doctor(bm.make(None, "writes_cache"), torch.randint(0, 64, (5,)), torch.arange(5),
+                                bm.make().make_cache()).warnings  # its attention ops are splitting ops

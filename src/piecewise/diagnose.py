@@ -20,7 +20,11 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.text import Text
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from piecewise.diagnostics.blockers import Blocker, _source_file, blockers_from_exception, find_blockers
+from piecewise.frontends.user_frames import chain_text, user_chain
+from piecewise.opaque import opaque_op_info
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,8 @@ class DoctorReport:
     """Whether a trial CUDA-graph capture ran (CUDA model and a runtime that provides it)."""
     first_call_checked: bool = False
     """Whether the runtime's first call ran on the inputs (padding check, token-count guards, state writes)."""
+    warnings: list[str] = field(default_factory=list)
+    """Hazards that block nothing but can give wrong numbers on CUDA graphs (see ``verify``)."""
     breakable_blockers: list[Blocker] | None = None
     """What stops the breakable front-end (its first call on the inputs), or None when it was not checked."""
 
@@ -70,6 +76,7 @@ class DoctorReport:
             "first_call_checked": self.first_call_checked,
             "blockers": [blocker.to_dict() for blocker in self.blockers],
             "frontends": self.frontends,
+            "warnings": self.warnings,
             "recommended": self.recommended[0],
             "breakable_blockers": [b.to_dict() for b in self.breakable_blockers or []],
         }
@@ -87,6 +94,8 @@ class DoctorReport:
             checked = ", ".join(checked[:-1]) + " and " + checked[-1] if len(checked) > 1 else checked[0]
             console.print(Text(f"capture-safe: no blockers found ({checked}, torch {self.torch_version})",
                                style="bold green"))
+            for warning in self.warnings:
+                console.print(Text(f"warning: {warning}", style="yellow"))
             return
         console.print(Text(f"{len(self.blockers)} capture blocker(s) found (torch {self.torch_version})",
                            style="bold red"))
@@ -97,6 +106,8 @@ class DoctorReport:
                                + (f" -> use {choice}: {reason}" if choice else f": {reason}"), style="bold"))
         for index, blocker in enumerate(self.blockers, start=1):
             console.print(_panel(index, blocker))
+        for warning in self.warnings:
+            console.print(Text(f"warning: {warning}", style="yellow"))
         for index, blocker in enumerate(self.breakable_blockers or [], start=len(self.blockers) + 1):
             console.print(Text("breakable front-end:", style="bold"))
             console.print(_panel(index, blocker))
@@ -161,9 +172,12 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
     compiled-frame caches are reset along the way. Raises RuntimeError if the eager run itself fails.
     """
     forward = _forward_of(model)
+    tokens = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    metadata = _MetadataOps(tokens)
     with torch.no_grad():
         try:
-            model(*args, **kwargs)
+            with metadata:
+                model(*args, **kwargs)
         except Exception as exc:
             raise RuntimeError(
                 f"the model fails when run eagerly ({type(exc).__name__}: {exc}); the doctor checks capture of "
@@ -177,4 +191,34 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
         if blockers and isinstance(model, torch.nn.Module):
             breakable = _trial_capture(model, args, kwargs, "breakable_trial")
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
-                        first_call_checked=trial is not None, breakable_blockers=breakable)
+                        first_call_checked=trial is not None, breakable_blockers=breakable,
+                        warnings=list(metadata.found.values()))
+
+
+class _MetadataOps(TorchDispatchMode):
+    """Opaque ops that are not splitting ops and take per-call metadata (an integer tensor with one entry per
+    token: positions, slots): captured inside a graph, whatever they decide on the host from those values is
+    frozen at the capture's."""
+
+    def __init__(self, tokens: int | None):
+        super().__init__()
+        self.tokens = tokens
+        self.found: dict[str, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        info = opaque_op_info(name) if self.tokens is not None and name not in self.found else None
+        if info is not None and not info.split:
+            per_token = [a.name for a, value in zip(func._schema.arguments, (*args, *kwargs.values()))
+                         if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() == 1
+                         and value.shape[0] == self.tokens]
+            if per_token:
+                where = chain_text(user_chain()[-1:]) or "an unknown line"
+                self.found[name] = (
+                    f"`{name}` (called at {where}) is an opaque op but not a splitting op, and takes per-call "
+                    f"metadata ({', '.join(per_token)}: one integer per token). Inside a CUDA graph it runs with the "
+                    f"values of each call, but anything it decides on the host from them (a size read with .item(), "
+                    f"a kernel configuration) is frozen at the capture's. If it does, make it a splitting op "
+                    f"(split=True); runner.verify() checks every size against eager.")
+        return func(*args, **kwargs)
