@@ -93,3 +93,12 @@ def test_help_and_usage_errors_do_not_import_torch(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": SRC}, timeout=120)
     assert done.returncode == (0 if argv == ["--help"] else 2), done.stderr
+
+
+def test_the_demo_jit_example_runs_breakable_and_verifies(capsys: pytest.CaptureFixture) -> None:
+    example = os.path.join(os.path.dirname(HERE), "examples", "jit_in_layer.py")
+    assert main(["doctor", f"{example}:example"]) == 1
+    assert "use breakable" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match="runs with the breakable front-end"):
+        assert main(["verify", f"{example}:example", "--max-tokens", "8"]) == 0
+    assert "breakable front-end" in capsys.readouterr().out

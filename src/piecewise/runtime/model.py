@@ -167,7 +167,7 @@ class PiecewiseModel:
         """Check every captured size (or ``sizes``) against the eager model: per size the size itself, one token
         below it and the smallest count that pads to it, with inputs other than the capture's (made from these
         example arguments, or the last call's; ``make_inputs(num_tokens)`` returns ``args`` or ``(args,
-        kwargs)`` instead). Outputs and written static tensors (KV caches) are compared within a dtype-aware
+        kwargs)`` instead, whose static tensors are replaced by the captured ones). Outputs and written static tensors (KV caches) are compared within a dtype-aware
         tolerance; a mismatch names the stretch of the forward where the runner first parts from eager. Static
         tensors are restored afterwards. Captures first if this runner has not run yet."""
         if args or kwargs:
