@@ -127,3 +127,24 @@ def test_doctor_keeps_torch_noise_off_the_terminal_and_piped_paths_whole():
     assert len(done.stderr.splitlines()) <= 2, done.stderr  # no guard errors, FX tracebacks or Dynamo warnings
     path = os.path.realpath(os.path.join(HERE, "fixtures", "blocker_models.py"))
     assert any(f"{path}:" in line for line in done.stdout.splitlines()), "a file path split over two lines"
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("attention", ["writes_cache", "reads_cache", "no_cache"])
+@pytest.mark.parametrize("jit_at", ["norm", "before_attention", "after_residual", "mlp"])
+def test_dynamo_graph_breaks_inside_layers_with_splitting_ops_equal_eager(jit_at, attention, mode):
+    """frontend="dynamo": each JIT-style call becomes an eager region between captured pieces, wherever it sits in
+    a layer around an attention op that writes, reads or keeps no cache; outputs and caches equal eager at every
+    size 1..max+1 (the pieces after a break get their token rows by shape, and Dynamo keeps their shape guards)."""
+    sys.path.insert(0, os.path.join(HERE, "fixtures"))
+    import break_models as bm
+    from test_breakable import run_sequence
+
+    model = bm.make(jit_at, attention)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_sequence(model, runner, mode, offset=3)
+    ours = [str(w.message) for w in caught if "piecewise" in str(w.message)]
+    assert len(ours) == 1 and "runs eagerly between captured pieces" in ours[0] and "jit_subprocess" in ours[0]
+    assert runner.stats["graph_breaks"] == 1 and runner.stats["frontend"] == "dynamo"

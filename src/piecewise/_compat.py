@@ -45,6 +45,17 @@ def mark_token_dim(tensor: torch.Tensor, dim: int) -> None:
     torch._dynamo.mark_dynamic(tensor, dim)
 
 
+def soften_token_dims(tensor: torch.Tensor) -> None:
+    """Turn ``mark_dynamic`` dimensions into ``maybe_mark_dynamic`` ones. With graph breaks, code after a break
+    may tie a token argument's length to a size Dynamo keeps static there (a tensor Python made); a hard mark
+    then fails the trace with ConstraintViolationError, a soft one lets Dynamo trace that stretch per size."""
+    dims = getattr(tensor, "_dynamo_dynamic_indices", None)
+    if dims:
+        del tensor._dynamo_dynamic_indices
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 def fake_mode_of(example_inputs: list[Any]):
     """The fake mode Dynamo traced with (from the active tracing context)."""
     return torch._guards.detect_fake_mode(example_inputs)
@@ -183,8 +194,15 @@ def drop_shape_guards(entries: list[Any]) -> list[bool]:
     return keep
 
 
-def compile_options() -> dict[str, Any]:
-    return {"guard_filter_fn": drop_shape_guards}
+def keep_shape_guards(entries: list[Any]) -> list[bool]:
+    """``drop_shape_guards`` less the shape-env part, for traces with graph breaks: code after a break is traced
+    per shape by Dynamo itself (sizes there are symbolic or not), so its shape conditions stay guards."""
+    return [keep or getattr(entry, "guard_type", None) == "SHAPE_ENV"
+            for keep, entry in zip(drop_shape_guards(entries), entries)]
+
+
+def compile_options(graph_breaks: bool = False) -> dict[str, Any]:
+    return {"guard_filter_fn": keep_shape_guards if graph_breaks else drop_shape_guards}
 
 
 def _full_paths(where: str) -> str:

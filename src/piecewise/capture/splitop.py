@@ -19,7 +19,7 @@ class SplitOpRunner:
     """One splitting op: runs eagerly on the real rows, writes into static buffers the next piece reads."""
 
     def __init__(self, name: str, module: torch.fx.GraphModule, op_name: str, state: CaptureState,
-                 any_dim: bool = False):
+                 any_dim: bool = False, by_shape: bool = False):
         self.name = name
         self.module = module
         self.op_name = op_name
@@ -39,6 +39,11 @@ class SplitOpRunner:
         self.row_buffers: list[RowBuffer | None] = [None] * len(flat)
         self.sliced: dict[tuple[int, int], tuple[tuple, list]] = {}
         self.call = self._direct_call(module) or module.forward
+        self.by_shape = by_shape
+        """Traced with graph breaks: Dynamo makes some sizes symbolic and others not (tensors Python made between
+        graphs), so the token arguments and outputs are the ones as long as the call's padded size, other than
+        the model's static tensors, decided per size."""
+        self.dims_by_size: dict[int, list[int | None]] = {}
 
     @staticmethod
     def _direct_call(module: torch.fx.GraphModule) -> Callable | None:
@@ -87,30 +92,43 @@ class SplitOpRunner:
         if call.phase is Phase.DIRECT:
             return self.call(*args)
         rows, size = call.num_tokens, call.size
-        call_args = args if rows == size else self._real_rows(args, rows, size, call.phase is Phase.REPLAY)
+        dims = self._dims(args, size) if self.by_shape else self.token_dims
+        call_args = args if rows == size else self._real_rows(args, rows, size, call.phase is Phase.REPLAY, dims)
         if state.probe is not None and not self.is_cut:
             probe_call(state, call_args)
         result = self.call(*call_args)
+        tokens = self.by_shape and any(d is not None for d in dims)
         if self.single_output:
-            return self._stage(0, result, rows, size, args)
-        return tuple(self._stage(i, value, rows, size, args) for i, value in enumerate(result))
+            return self._stage(0, result, rows, size, args, tokens)
+        return tuple(self._stage(i, value, rows, size, args, tokens) for i, value in enumerate(result))
 
-    def _real_rows(self, args: tuple, rows: int, size: int, keep: bool) -> list:
+    def _dims(self, args: tuple, size: int) -> list[int | None]:
+        dims = self.dims_by_size.get(size)
+        if dims is None:
+            static = self.state.static_storages
+            dims = self.dims_by_size[size] = [
+                d if d is not None else 0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == size
+                and a.untyped_storage().data_ptr() not in static else None
+                for a, d in zip(args, self.token_dims)]
+        return dims
+
+    def _real_rows(self, args: tuple, rows: int, size: int, keep: bool, dims: list[int | None]) -> list:
         """The first ``rows`` rows of each token argument. On replay the arguments are the same tensors
         every time (piece outputs, static buffers), so the views are made once per (size, rows)."""
         cached = self.sliced.get((size, rows))
         if cached is not None and all(map(operator.is_, cached[0], args)):
             return cached[1]
         call_args = [a if d is None else a[:rows] if d == 0 else a.narrow(d, 0, rows)
-                     for a, d in zip(args, self.token_dims)]
+                     for a, d in zip(args, dims)]
         if keep:
             self.sliced[(size, rows)] = (args, call_args)
         return call_args
 
-    def _stage(self, index: int, value: Any, rows: int, size: int, args: tuple) -> Any:
+    def _stage(self, index: int, value: Any, rows: int, size: int, args: tuple, by_rows: bool = False) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        token = self.token_outputs[index]
+        token = self.token_outputs[index] or (by_rows and value.dim() > 0 and value.shape[0] == rows
+                                              and not any(value is arg for arg in args))
         buffer = self.buffers[index]
         if buffer is None:
             shape = (self.state.max_tokens, *value.shape[1:]) if token else value.shape

@@ -45,6 +45,8 @@ class CaptureState:
     graphs_enabled: bool = False
     capture_done: bool = False
     pool: Any = None
+    static_storages: set[int] = field(default_factory=set)
+    """Storages of the model's parameters and buffers and of its static arguments."""
     stable_ptrs: set[int] = field(default_factory=set)
     """Addresses that never move: parameters, buffers, static arguments, piecewise's input buffers."""
     token_outputs: dict[int, bool] = field(default_factory=dict)

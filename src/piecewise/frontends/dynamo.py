@@ -28,7 +28,7 @@ from ..graph.tokens import is_token_tensor, token_mixing_nodes, user_line
 from ..graph.writes import accumulates, describe_write, writes_to_inputs
 from ..opaque import op_name, resolve_splitting_ops
 from .dynamo_graph import GraphRunner
-from .dynamo_trace import ForwardTracer
+from .dynamo_trace import ForwardTracer, soften
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class DynamoFrontend:
             rows = self.state.call.num_tokens
             self.tracer.diagnose_kwargs = {**arguments, **{name: arguments[name][:rows] for name in self.token_names()
                                                            if arguments.get(name) is not None}}
+        if self.tracer.graph_breaks:
+            soften(arguments)
         output = self.tracer((), arguments)
         if self.traced_in_call:
             self.stats.traces += 1
@@ -97,12 +99,15 @@ class DynamoFrontend:
                 "token_argument_write", node_stack(writer),
             )
         splitting = self.splitting_ops()
-        runner = GraphRunner(graph, self.state, self.compiler, splitting, static_writes(graph, token_inputs, splitting))
+        runner = GraphRunner(graph, self.state, self.compiler, splitting, static_writes(graph, token_inputs, splitting),
+                             after_break=self.tracer.graph_breaks)
         self.graph_runners.append(runner)
         self._on_new_graph(runner)
         return runner
 
     def _check_token_guards(self, example_inputs: list) -> None:
+        if self.tracer.graph_breaks:
+            return  # with graph breaks Dynamo keeps the shape guards and traces again where one fails
         sizes = self.ladder.sizes
         failures = _compat.token_guard_failures(example_inputs, sizes)
         if failures and {size for _, _, size in failures} == {1} and len(sizes) > 1 and self.stats.traces == 0 \

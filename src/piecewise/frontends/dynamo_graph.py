@@ -25,8 +25,10 @@ class GraphRunner:
         compiler: PieceCompiler,
         splitting_ops: frozenset[str],
         eager_writes: dict[torch.fx.Node, str] | None = None,
+        after_break: bool = False,
     ):
         self.state = state
+        self.after_break = after_break
         self.graphs_allowed = state.graphs_enabled and not state.capture_done
         started = time.perf_counter()
         self.eager_writes = list((eager_writes or {}).values())
@@ -37,7 +39,7 @@ class GraphRunner:
         for partition in partitions:
             if partition.splitting_op is not None:
                 runner = SplitOpRunner(partition.name, partition.module, partition.splitting_op, state,
-                                       any_dim=partition.splitting_op not in splitting_ops)
+                                       any_dim=partition.splitting_op not in splitting_ops, by_shape=after_break)
                 self.splitting_ops.append(runner)
             else:
                 compiled = compiler.compile(partition.module, placeholder_values(partition.module))
@@ -65,7 +67,7 @@ class GraphRunner:
             if self.external:
                 args = self._stage_inputs(list(args))
         outputs = self.split_graph(*args)
-        if self.symbolic:  # a graph traced for one static size (after a break) can't tell: leave unknown
+        if self.symbolic and not self.after_break:  # with graph breaks sizes are symbolic or not: leave unknown
             flat = outputs if isinstance(outputs, (tuple, list)) else [outputs]
             for value, token in zip(flat, self.token_outputs):
                 if isinstance(value, torch.Tensor):

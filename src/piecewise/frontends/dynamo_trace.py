@@ -82,6 +82,13 @@ class DirectCall:
         return True, self.function(self.owner, **kwargs)
 
 
+def soften(arguments: dict) -> None:
+    """Soft token-dimension marks on the arguments (see ``_compat.soften_token_dims``): for traces with breaks."""
+    for value in arguments.values():
+        if isinstance(value, torch.Tensor):
+            _compat.soften_token_dims(value)
+
+
 class DynamoBlocked(Exception):
     """Dynamo cannot trace the forward as one graph (``frontend="auto"`` then takes the breakable front-end)."""
 
@@ -161,11 +168,12 @@ class ForwardTracer:
             )
         self.blockers = blockers
         self.graph_breaks = True
+        soften(kwargs)
         # dynamic=None: code after a break gets tensors Python made, which carry no dynamic mark; Dynamo
         # traces it once static, then once more with the dimensions that changed made dynamic.
         self.compiled = torch.compile(
             _compat.fresh_method(self.model.forward), backend=self.backend, fullgraph=False, dynamic=None,
-            options=_compat.compile_options(),
+            options=_compat.compile_options(graph_breaks=True),
         )
         try:
             return self.compiled(*args, **kwargs)

@@ -57,6 +57,7 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     model_tensors = [*runner.model.parameters(), *runner.model.buffers()]
     static = runner.arguments.record_first(arguments)
     runner.state.stable_ptrs.update(t.data_ptr() for t in [*model_tensors, *static])
+    runner.state.static_storages.update(t.untyped_storage().data_ptr() for t in [*model_tensors, *static])
     started = time.perf_counter()
     tokens = arguments[next(iter(runner.arguments.dynamic))].shape[0]
     with forward_context(tokens, tokens, rehearsal=True):
