@@ -330,3 +330,13 @@ def test_continuous_batching_example_generates_what_greedy_decoding_of_each_prom
                 sequence.append(int(hf_logits(reference, torch.tensor(sequence))[-1].argmax()))
             assert tokens == sequence[len(prompt):]
     assert runner.stats["traces"] == 1 and runner.stats["fallback_calls"] == 3  # prompts of 17, 9, 12 > max_tokens
+
+
+def test_doctor_on_a_batch_first_call_says_how_to_call_the_model_never_capture_safe():
+    model = glm_moe()
+    report = piecewise.doctor(model, torch.randint(0, 256, (1, 12)))
+    assert not report.ok and [b.kind for b in report.blockers] == ["batch_first"]
+    assert "(1, 12)" in report.blockers[0].message and "TokenModel(enable(model))" in report.blockers[0].fix
+    assert "capture-safe" not in str(report)
+    one_token = piecewise.doctor(torch.nn.Linear(8, 8), torch.randn(1, 8))  # a [T=1, hidden] call is tokens-first
+    assert one_token.ok

@@ -23,6 +23,7 @@ from rich.text import Text
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from piecewise.diagnostics.blockers import Blocker, _source_file, blockers_from_exception, find_blockers
+from piecewise.diagnostics.classify import FIXES
 from piecewise.frontends.user_frames import chain_text, user_chain
 from piecewise.opaque import opaque_op_info
 
@@ -172,6 +173,10 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
     compiled-frame caches are reset along the way. Raises RuntimeError if the eager run itself fails.
     """
     forward = _forward_of(model)
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if first is not None and first.shape[:1] == (1,) and first.dim() >= 2 and first.shape[1] > 1 and (
+            first.dim() >= 3 if first.is_floating_point() else first.dim() == 2):  # ids [1, T] or embeddings [1, T, H]
+        return DoctorReport(blockers=[_batch_first(model, first)])
     tokens = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
     metadata = _MetadataOps(tokens)
     with torch.no_grad():
@@ -193,6 +198,17 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
                         first_call_checked=trial is not None, breakable_blockers=breakable,
                         warnings=list(metadata.found.values()))
+
+
+def _batch_first(model: Any, first: torch.Tensor) -> Blocker:
+    """A call shaped [1, T, ...]: piecewise would see one token, so no check would mean anything."""
+    kind = "a transformers model" if type(model).__module__.startswith("transformers") else "the model"
+    return Blocker(
+        kind="batch_first",
+        message=(f"the first tensor argument has shape {tuple(first.shape)}: dimension 0 is 1 and dimension 1 looks "
+                 f"like the sequence, so piecewise would see a call of 1 token and nothing it checked would hold for "
+                 f"real calls. The doctor checked nothing else; call {kind} tokens-first and run it again."),
+        chain=[], fix=FIXES["batch_first"])
 
 
 class _MetadataOps(TorchDispatchMode):

@@ -23,6 +23,7 @@ class BlockerKind(str, enum.Enum):
     TOKEN_MIXING = "token_mixing"
     TOKEN_BRANCH = "token_branch"
     TOKEN_ARGUMENT_WRITE = "token_argument_write"
+    BATCH_FIRST = "batch_first"
 
     def __str__(self) -> str:
         return self.value

@@ -70,6 +70,12 @@ FIXES: dict[str, str] = {
         "which piecewise copies into a padded buffer each call: compile with dynamic={...} naming only the real "
         "token arguments, so that state stays static and is written in place."
     ),
+    "batch_first": (
+        "piecewise takes dimension 0 of the token arguments as the tokens. Call the model tokens-first: a "
+        "transformers model through piecewise.integrations.transformers.TokenModel(enable(model)), which takes "
+        "input_ids [T] and positions [T]; your own model through a wrapper that adds the batch dimension inside "
+        "forward (tests/fixtures/state_models.py: TokensFirst)."
+    ),
     "python_rng": (
         "Python/NumPy randomness is drawn on the host, outside torch's generators and outside the graph. Use "
         "torch's RNG on the device (torch.rand(..., device=x.device)) or draw the values before forward and "
