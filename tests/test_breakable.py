@@ -167,3 +167,58 @@ def test_doctor_warns_about_an_opaque_op_that_takes_per_call_metadata_and_is_not
     assert "warning:" in str(report)
     assert not piecewise.doctor(bm.make(None, "writes_cache"), torch.randint(0, 64, (5,)), torch.arange(5),
                                 bm.make().make_cache()).warnings  # its attention ops are splitting ops
+
+
+def test_a_gpt_fast_cache_write_with_tokens_in_dimension_2_runs_on_the_real_rows():
+    model = state_models.TokensFirst(state_models.BatchFirstCache())
+    reference = state_models.TokensFirst(state_models.BatchFirstCache())
+    reference.load_state_dict(model.state_dict())
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable"))
+    with torch.no_grad():
+        for start, tokens in ((0, 5), (5, 1), (6, 3)):
+            idx, pos = torch.randint(0, 100, (tokens,)), torch.arange(start, start + tokens)
+            torch.testing.assert_close(runner(idx, pos), reference(idx, pos))
+    for ours, theirs in zip(model.buffers(), reference.buffers()):
+        torch.testing.assert_close(ours, theirs)  # the pad rows never wrote position 0
+
+
+@piecewise.opaque_op("test_breakable::quantize", split=True, fake=lambda x: (torch.empty_like(x), x.new_empty(1)))
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = x.abs().amax().reshape(1) + 1  # one scale for the call: no token rows, though [1] at one token
+    return x / scale, scale
+
+
+class Quantized(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, scale = quantize(self.linear(x))
+        return q * scale * 2
+
+
+@pytest.mark.parametrize("first", [1, 5])
+def test_a_splitting_op_output_without_token_rows_is_not_padded_even_at_one_token(first):
+    model = Quantized()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend="breakable"))
+    with torch.no_grad():
+        for tokens in (first, 1, 3, 8, 16):
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))
+
+
+@piecewise.opaque_op("test_breakable::scores", split=True, fake=lambda q: q.new_empty(q.shape[1], q.shape[0]))
+def scores(q: torch.Tensor) -> torch.Tensor:
+    return q.T.contiguous()  # [heads, tokens]: tokens in dimension 1
+
+
+def test_a_splitting_op_output_with_tokens_in_another_dimension_is_a_clear_error():
+    class Transposed(torch.nn.Module):
+        def forward(self, x):
+            return scores(x * 2).T
+
+    runner = piecewise.compile(Transposed(), piecewise.CaptureConfig(max_tokens=8, frontend="breakable"))
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"test_breakable::scores returns an output of shape "
+                                                            r"\(4, \d\) whose token dimension is 1, not 0"):
+        runner(torch.randn(3, 4))

@@ -111,3 +111,20 @@ def test_cli_verify_exit_codes_and_json(tmp_path, capsys):
     assert main(["verify", f"{TARGETS}:rolls_tokens", "--max-tokens", "8"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
     assert main(["verify", f"{TARGETS}:no_such_factory"]) == 2
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_the_models_own_buffers_are_compared_and_put_back_and_the_stats_stay_the_users(frontend):
+    from fixtures import state_models
+
+    model = state_models.TokensFirst(state_models.BatchFirstCache())
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad():
+        runner(torch.randint(0, 100, (5,)), torch.arange(5))
+    buffers = {name: value.clone() for name, value in model.named_buffers()}
+    stats = dict(runner.stats)
+    report = runner.verify()
+    assert report.ok, str(report)
+    for name, value in model.named_buffers():
+        assert torch.equal(value, buffers[name]), name
+    assert dict(runner.stats) == stats

@@ -220,3 +220,57 @@ def test_verify_on_cuda_graphs_passes_a_correct_model_and_catches_a_decision_fro
                    for r in report.results if not r.ok)
     else:  # Dynamo guards on the attribute: the changed forward is traced again and runs without graphs
         assert report.ok
+
+
+def test_a_cache_write_in_plain_code_is_cut_out_of_every_captured_size():
+    """Sizes up to the first call's token count are captured with no pad rows; their graphs then serve calls
+    with fewer tokens, whose pad rows must not write the cache."""
+    model = bm.make(None, "reads_cache", device="cuda")
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable"))
+    ours, theirs = model.make_cache(), model.make_cache()
+    with torch.no_grad():
+        for positions in (torch.arange(8), torch.arange(8, 11), torch.tensor([11])):
+            positions = positions.cuda()
+            ids = torch.randint(0, 64, positions.shape, device="cuda")
+            assert rel_error(runner(ids, positions, ours), model(ids, positions, theirs)) <= 1e-5
+            assert rel_error(ours, theirs) <= 1e-5
+
+
+def test_a_splitting_op_output_without_token_rows_is_replayed_into_a_fixed_buffer():
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from test_breakable import Quantized
+
+    model = Quantized().cuda()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable"))
+    with torch.no_grad():
+        for tokens in (5, 8, 5, 3, 1):
+            x = torch.randn(tokens, 8, device="cuda")
+            assert rel_error(runner(x), model(x)) <= 1e-5, tokens
+    assert runner.stats["replays"] > 0
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, bias=None, scale: float = 1.0):
+        h = scale_op(self.linear(x)) * scale
+        return h + bias if bias is not None else h
+
+
+@piecewise.opaque_op("breakable_gpu::scale_op", split=True)
+def scale_op(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_call_with_other_arguments_than_the_capture_runs_without_graphs_with_one_warning():
+    model = Scaled().cuda()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable"), dynamic={"x": 0})
+    x, bias = torch.randn(5, 8, device="cuda"), torch.randn(8, device="cuda")
+    with torch.no_grad():
+        runner(x)
+        with pytest.warns(UserWarning, match=r"other arguments than its graphs were captured for.*'scale'"):
+            assert rel_error(runner(x, scale=3.0), model(x, scale=3.0)) <= 1e-6
+        assert rel_error(runner(x, bias), model(x, bias)) <= 1e-6
+        assert rel_error(runner(x), model(x)) <= 1e-6

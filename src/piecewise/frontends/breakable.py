@@ -14,17 +14,17 @@ Python that Dynamo cannot trace (a JIT library's subprocess, a lock) simply runs
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import warnings
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import _compat
-from ..capture.buffers import InputStager, RowBuffer, map_tensors
+from ..capture.buffers import InputStager, RowBuffer
 from ..capture.pieces import abandon_capture, end_capture
 from ..capture.state import CaptureState, Phase, probe_call
+from .breakable_steps import Recording, Step, narrow, signature, storage, token_outputs
 from ..capture.stats import Stats
 from ..config import CaptureConfig
 from ..context import context, forward_context
@@ -42,84 +42,6 @@ _HOST_SYNC = frozenset({
 })
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
-class _Step:
-    """One splitting-op call (or cut-out write) recorded at capture, replayed between two graphs."""
-
-    __slots__ = ("call", "leaves", "spec", "token_leaves", "zero_after", "buffers", "single", "sliced", "probed")
-
-    def __init__(self, call: Callable, leaves: list, spec: Any, token_leaves: list[int], zero_after: list[int],
-                 buffers: list[RowBuffer | None], single: bool, probed: bool):
-        self.probed = probed
-        """A splitting op of the model (not a cut-out write): ``verify`` records its inputs."""
-        self.call, self.leaves, self.spec = call, leaves, spec
-        self.token_leaves, self.zero_after = token_leaves, zero_after
-        self.buffers, self.single = buffers, single
-        self.sliced: dict[int, tuple[tuple, dict]] = {}
-
-    def arguments(self, rows: int, size: int) -> tuple[tuple, dict]:
-        cached = self.sliced.get(rows)
-        if cached is None:
-            leaves = list(self.leaves)
-            if rows != size:
-                for index in self.token_leaves:
-                    leaves[index] = leaves[index][:rows]
-            cached = self.sliced[rows] = tree_unflatten(leaves, self.spec)
-        return cached
-
-    def run(self, rows: int, size: int, state: CaptureState) -> None:
-        args, kwargs = self.arguments(rows, size)
-        if state.probe is not None and self.probed:
-            probe_call(state, args, kwargs)
-        result = self.call(*args, **kwargs)
-        for index in self.zero_after:
-            if rows != size:
-                self.leaves[index][rows:size].zero_()
-        if result is None:
-            return
-        for buffer, value in zip(self.buffers, [result] if self.single else result):
-            if buffer is not None:
-                buffer.write(value, rows)
-
-    def release(self, keep: Callable[[torch.Tensor], bool]) -> None:
-        """Hold pool tensors as non-owning aliases, so that the pool can serve other sizes."""
-        self.leaves = [leaf if not isinstance(leaf, torch.Tensor) or keep(leaf) else _compat.non_owning_alias(leaf)
-                       for leaf in self.leaves]
-        self.sliced.clear()
-
-
-class Recording:
-    """One size's graphs and recorded calls, in order, and the forward's output."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.steps: list[Any] = []  # torch.cuda.CUDAGraph or _Step
-        self.output: Any = None
-        self.keep: Callable[[torch.Tensor], bool] = lambda tensor: True
-
-    @property
-    def graphs(self) -> int:
-        return sum(1 for step in self.steps if isinstance(step, torch.cuda.CUDAGraph))
-
-    def replay(self, rows: int, state: CaptureState) -> Any:
-        size = self.size
-        for step in self.steps:
-            if isinstance(step, _Step):
-                step.run(rows, size, state)
-            else:
-                step.replay()
-        return self.output
-
-    def release_outputs(self, size: int) -> None:
-        for step in self.steps:
-            if isinstance(step, _Step):
-                step.release(self.keep)
-        self.output = map_tensors(self.output, lambda t: t if self.keep(t) else _compat.non_owning_alias(t))
-
-
 class BreakableFrontend:
     """Runs the model's Python per size under capture; replays the recorded graphs and calls."""
 
@@ -132,9 +54,13 @@ class BreakableFrontend:
         self.stats = stats
         self.stager = stager
         self.splitting = resolve_splitting_ops(config.splitting_ops)
-        self.static = {_storage(t) for t in [*model.parameters(), *model.buffers(), *static_tensors]}
+        self.static = {storage(t) for t in [*model.parameters(), *model.buffers(), *static_tensors]}
         self.recordings: dict[int, Recording] = {}
         self.buffers: dict[tuple[int, int], RowBuffer] = {}  # (call index in the forward, output) → buffer
+        self.fixed: dict[tuple[int, int], torch.Tensor] = {}  # the same for outputs without token rows
+        self.token_outputs: dict = {}  # (op, input shapes) → which outputs carry the token rows
+        self.token_dims: dict[tuple, int] = {}  # (op, argument, its rank) → its token dimension in cut writes
+        self.warned_signature = False
         self.buffer_storages: set[int] = set()
         self.graphs_allowed = True
         self.kinds: dict[Any, str] = {}
@@ -147,6 +73,9 @@ class BreakableFrontend:
             return self.model(**arguments)
         if call.phase is Phase.REPLAY:
             recording = self.recordings.get(call.size)
+            if recording is not None and recording.signature != signature(arguments):
+                self._warn_signature(recording.signature, signature(arguments))
+                recording = None  # the graphs were recorded for other arguments: run padded, without them
             if recording is not None:
                 output = recording.replay(call.num_tokens, self.state)
                 self.state.replays += recording.graphs
@@ -154,7 +83,7 @@ class BreakableFrontend:
                 self.state.splitting_op_calls = len(recording.steps) - recording.graphs
                 return output
         capturing = call.phase is Phase.CAPTURE and self.graphs_allowed
-        recording = Recording(call.size) if capturing else None
+        recording = Recording(call.size, signature(arguments)) if capturing else None
         with _Interceptor(self, call.num_tokens, call.size, recording) as interceptor:
             output = interceptor.forward(arguments)
         if recording is not None:
@@ -165,13 +94,25 @@ class BreakableFrontend:
         self.stats.pieces = max(self.stats.pieces, interceptor.calls + 1)
         return output
 
+    def _warn_signature(self, captured: tuple, now: tuple) -> None:
+        if self.warned_signature:
+            return
+        self.warned_signature = True
+        was, isnow = dict(captured), dict(now)
+        changes = "; ".join(f"argument {name!r}: {was.get(name)} -> {isnow.get(name)}"
+                            for name in sorted(set(was) | set(isnow)) if was.get(name) != isnow.get(name))
+        warnings.warn(
+            f"piecewise: the model is called with other arguments than its graphs were captured for ({changes}); "
+            f"such calls run without CUDA graphs. Call the model with the arguments it was captured with, or "
+            f"compile a separate runner for this variant.", stacklevel=6)
+
     def add_static(self, tensor: torch.Tensor) -> None:
         """A static argument first given after the first call (a KV cache): writes into it are cut too."""
-        self.static.add(_storage(tensor))
+        self.static.add(storage(tensor))
 
     def _keeps(self, tensor: torch.Tensor) -> bool:
         """Whether a recorded tensor lives outside the graph pool (static, staged or a splitting-op buffer)."""
-        pointer = _storage(tensor)
+        pointer = storage(tensor)
         return pointer in self.static or pointer in self.buffer_storages or self.stager.owns(tensor)
 
     def release(self) -> None:
@@ -190,7 +131,15 @@ class BreakableFrontend:
         if buffer is None or buffer.buffer.dtype != value.dtype or buffer.buffer.shape[1:] != value.shape[1:]:
             shape = (self.state.max_tokens, *value.shape[1:])
             buffer = self.buffers[key] = RowBuffer(torch.zeros(shape, dtype=value.dtype, device=value.device))
-            self.buffer_storages.add(_storage(buffer.buffer))
+            self.buffer_storages.add(storage(buffer.buffer))
+        return buffer
+
+    def fixed_buffer(self, index: int, output: int, value: torch.Tensor) -> torch.Tensor:
+        key = (index, output)
+        buffer = self.fixed.get(key)
+        if buffer is None or buffer.dtype != value.dtype or buffer.shape != value.shape:
+            buffer = self.fixed[key] = torch.empty_like(value, memory_format=torch.contiguous_format)
+            self.buffer_storages.add(storage(buffer))
         return buffer
 
 
@@ -258,11 +207,15 @@ class _Interceptor(TorchDispatchMode):
         if kind is _PLAIN:
             return func(*args, **kwargs)
         if kind is _SPLIT:
-            return self._split(func, func._schema.name, args, kwargs)
+            return self._split(func, func._schema.name, args, kwargs, cut=False)
+        if kind is _COPIES and self.graph is not None and _to_host(func, args, kwargs):
+            self._refuse_sync(func)
         if kind is _WRITES:
             written = _written(func, args, kwargs)
-            static = [t for t in written if _storage(t) in self.frontend.static]
-            if static and func.overloadpacket.__name__ in ACCUMULATING_METHODS:
+            if self.graph is not None and func._schema.name == "aten::copy_" and _to_host(func, args, kwargs):
+                self._refuse_sync(func)
+            static = [t for t in written if storage(t) in self.frontend.static]
+            if static and _accumulates(func, args, kwargs):
                 raise ForwardRefused(
                     f"piecewise: `{func.overloadpacket.__name__}` at {self._line()} updates a static tensor in place "
                     f"from its own value. The first call runs the model several times on its inputs (warm-up, "
@@ -278,45 +231,65 @@ class _Interceptor(TorchDispatchMode):
                     f"lost: compile with dynamic={{...}} naming only the real token arguments.",
                     "token_argument_write", user_chain(),
                 )
-            if static and self.rows != self.size and self._token_leaves(tree_flatten((args, kwargs))[0]):
-                return self._split(func, func._schema.name, args, kwargs)
+            # Cut out while padded (the pad rows would be written too) and whenever capturing: the graph of this
+            # size serves later calls with fewer tokens.
+            if static and (self.rows != self.size or self.recording is not None) \
+                    and self._token_leaves(tree_flatten((args, kwargs))[0], True, func._schema.name):
+                return self._split(func, func._schema.name, args, kwargs, cut=True)
         elif kind is _SYNCS and self.graph is not None:
-            self._abort()
-            raise CaptureFailed(
-                f"piecewise [capture_illegal]: `{func.overloadpacket.__name__}` at {self._line()} waits for the "
-                f"device (its result goes to the host: .item(), .tolist(), bool(tensor), nonzero), which is "
-                f"illegal while a CUDA graph captures; a branch on a tensor's value cannot be frozen into a graph "
-                f"either. Keep the value on the device (torch.where, masks), compute it before forward, or move "
-                f"the code into a splitting op (piecewise.opaque_op(..., split=True)).",
-                chain=user_chain(),
-            )
+            self._refuse_sync(func)
         return func(*args, **kwargs)
+
+    def _refuse_sync(self, func) -> None:
+        self._abort()
+        raise CaptureFailed(
+            f"piecewise [capture_illegal]: `{func.overloadpacket.__name__}` at {self._line()} waits for the "
+            f"device (its result goes to the host: .item(), .tolist(), .cpu(), bool(tensor), nonzero), which is "
+            f"illegal while a CUDA graph captures; a branch on a tensor's value cannot be frozen into a graph "
+            f"either. Keep the value on the device (torch.where, masks), compute it before forward, or move "
+            f"the code into a splitting op (piecewise.opaque_op(..., split=True)).",
+            chain=user_chain(),
+        )
 
     def _line(self) -> str:
         return chain_text(user_chain()[-1:]) or "an unknown line"
 
-    def _token_leaves(self, leaves: list) -> list[int]:
-        static = self.frontend.static
-        return [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-                and leaf.shape[0] == self.size and _storage(leaf) not in static]
+    def _token_leaves(self, leaves: list, any_dim: bool, op: str = "") -> list[tuple[int, int]]:
+        """(leaf, token dimension) of the tensors that carry the call's padded rows: as long as the capture size
+        in dimension 0 (splitting ops take tokens first), or in any dimension for a write cut out of a graph (a
+        [batch, heads, tokens, dim] cache write), other than the model's static tensors."""
+        static, size, known = self.frontend.static, self.size, self.frontend.token_dims
+        found = []
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and storage(leaf) not in static:
+                dims = [d for d, extent in enumerate(leaf.shape) if extent == size] if any_dim else \
+                    [0] if leaf.shape[0] == size else []
+                key = (op, index, leaf.dim())
+                if len(dims) > 1:  # [heads, tokens, dim] at a size equal to heads: as at a size that told
+                    dims = [known[key]] if key in known else dims[:1]
+                elif dims and any_dim:
+                    known[key] = dims[0]
+                if dims:
+                    found.append((index, dims[0]))
+        return found
 
-    def _split(self, func, name: str, args: tuple, kwargs: dict) -> Any:
+    def _split(self, func, name: str, args: tuple, kwargs: dict, cut: bool) -> Any:
         self.frontend.state.splitting_op_calls += 1
         where = f"`{name}`"
         if self.recording is not None:
             self._end(at=where)
         leaves, spec = tree_flatten((args, kwargs))
-        token_leaves = self._token_leaves(leaves)
+        tokens = self._token_leaves(leaves, cut, name)
         written = {id(t) for t in _written(func, args, kwargs)}
-        zero_after = [i for i in token_leaves if id(leaves[i]) in written]
+        zero_after = [(i, d) for i, d in tokens if id(leaves[i]) in written]
         info = opaque_op_info(name)
         call = info.impl if info is not None and info.impl is not None else func
         if self.rows == self.size:
             call_args, call_kwargs = args, kwargs
         else:
             sliced = list(leaves)
-            for index in token_leaves:
-                sliced[index] = sliced[index][: self.rows]
+            for index, dim in tokens:
+                sliced[index] = narrow(sliced[index], dim, self.rows)
             call_args, call_kwargs = tree_unflatten(sliced, spec)
         if self.frontend.state.probe is not None and name in self.frontend.splitting:
             probe_call(self.frontend.state, call_args, call_kwargs)
@@ -324,42 +297,75 @@ class _Interceptor(TorchDispatchMode):
         ctx = context()
         with forward_context(self.rows, self.size, capturing=False, rehearsal=bool(ctx and ctx.rehearsal)):
             result = call(*call_args, **call_kwargs)
-        for index in zero_after:
-            if self.rows != self.size:
-                leaves[index][self.rows : self.size].zero_()
-        staged, buffers, single = self._stage(result, args, bool(token_leaves))
+        if self.rows != self.size:
+            for index, dim in zero_after:
+                leaves[index].narrow(dim, self.rows, self.size - self.rows).zero_()
+        staged, buffers, single = self._stage(func, result, leaves, call_args, call_kwargs, tokens)
         if self.recording is not None:
-            self.recording.steps.append(_Step(call, leaves, spec, token_leaves, zero_after, buffers, single,
-                                              name in self.frontend.splitting))
+            self.recording.steps.append(Step(call, leaves, spec, tokens, zero_after, buffers, single,
+                                             name in self.frontend.splitting))
         self.calls += 1
         self.where = where
         self._begin()
         return staged
 
-    def _stage(self, result: Any, args: tuple, has_tokens: bool) -> tuple[Any, list, bool]:
-        """Copy a splitting op's token outputs into static buffers (rows past the real ones zero); return what
-        the forward sees: ``size`` rows of each buffer."""
+    def _stage(self, func, result: Any, leaves: list, call_args: tuple, call_kwargs: dict,
+               tokens: list) -> tuple[Any, list, bool]:
+        """What the forward sees of a splitting op's outputs: ``size`` rows of a static buffer for each token
+        output (rows past the real ones zero), a fixed buffer for each other tensor (the graphs after the op read
+        it at one address), an argument the op returned as it is."""
         if result is None:
             return None, [], True
         single = isinstance(result, torch.Tensor)
         values = [result] if single else list(result)
-        buffers: list[RowBuffer | None] = []
+        real = self.rows
+        which = token_outputs(func, call_args, call_kwargs, [(i, d) for i, d in tokens], real, values,
+                              self.frontend.token_outputs) if tokens else [False] * len(values)
+        if which is None:  # no fake to ask: dimension 0 as long as the real rows
+            which = [isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == real for v in values]
+        buffers: list = []
         staged = []
         for output, value in enumerate(values):
-            is_token = (has_tokens and isinstance(value, torch.Tensor) and value.dim() > 0
-                        and value.shape[0] == self.rows and not any(value is a for a in args))
-            if not is_token:
+            if not isinstance(value, torch.Tensor) or any(value is leaf for leaf in leaves):
                 buffers.append(None)
                 staged.append(value)
-                continue
-            buffer = self.frontend.buffer(self.calls, output, value)
-            buffer.write(value, self.rows)
-            buffers.append(buffer)
-            staged.append(buffer.rows(self.size))
+            elif which[output]:
+                buffer = self.frontend.buffer(self.calls, output, value)
+                buffer.write(value, real)
+                buffers.append(buffer)
+                staged.append(buffer.rows(self.size))
+            else:
+                buffer = self.frontend.fixed_buffer(self.calls, output, value)
+                buffer.copy_(value)
+                buffers.append(buffer)
+                staged.append(buffer)
         return (staged[0] if single else type(result)(staged)), buffers, single
 
 
-_PLAIN, _SPLIT, _WRITES, _SYNCS = "plain", "split", "writes", "syncs"
+_PLAIN, _SPLIT, _WRITES, _SYNCS, _COPIES = "plain", "split", "writes", "syncs", "copies"
+# In-place methods that read what they overwrite, less those that only change a view (t_, squeeze_, ...).
+_UPDATES = ACCUMULATING_METHODS - {"t_", "transpose_", "squeeze_", "unsqueeze_", "resize_"}
+
+
+def _accumulates(func, args: tuple, kwargs: dict) -> bool:
+    """Whether an in-place op reads what it overwrites (``add_``, ``index_put_(accumulate=True)``,
+    ``scatter_(reduce=...)``): run again on the same inputs, it gives another result."""
+    name = func.overloadpacket.__name__
+    if name in _UPDATES:
+        return True
+    if name in ("index_put_", "_index_put_impl_"):
+        return bool(kwargs.get("accumulate", args[3] if len(args) > 3 else False))
+    if name == "scatter_":
+        return kwargs.get("reduce", args[4] if len(args) > 4 else None) is not None
+    return False
+
+
+def _to_host(func, args: tuple, kwargs: dict) -> bool:
+    """A copy from the device to the host (``.cpu()``, ``.to("cpu")``, ``cpu_tensor.copy_(cuda_tensor)``)."""
+    if func._schema.name == "aten::copy_":
+        return len(args) > 1 and args[0].device.type == "cpu" and args[1].device.type != "cpu"
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu"
 
 
 def _kind(func, splitting: frozenset[str]) -> str:
@@ -368,6 +374,8 @@ def _kind(func, splitting: frozenset[str]) -> str:
         return _SPLIT
     if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
         return _WRITES
+    if name == "aten::_to_copy":
+        return _COPIES
     return _SYNCS if name in _HOST_SYNC else _PLAIN
 
 

@@ -72,6 +72,7 @@ class PiecewiseModel:
         if self._prepared:
             for tensor in self.arguments.adopt_late(arguments, tokens):
                 self.state.stable_ptrs.add(tensor.data_ptr())
+                self.state.static_storages.add(tensor.untyped_storage().data_ptr())
                 if hasattr(self.frontend, "add_static"):
                     self.frontend.add_static(tensor)
         self.arguments.check_static(arguments)

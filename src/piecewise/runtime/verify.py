@@ -151,7 +151,10 @@ def _verify(runner: "PiecewiseModel", example: dict[str, Any], sizes: list[int] 
     make = _inputs(runner, example, make_inputs)
     static = {name: value for name, value in example.items()
               if isinstance(value, torch.Tensor) and name not in runner.arguments.dynamic}
+    # The model's own buffers are state too (a gpt-fast KV cache): compared and put back like static arguments.
+    static.update({f"buffer {name}": value for name, value in runner.model.named_buffers()})
     saved = {name: value.clone() for name, value in static.items()}
+    stats, last = dict(runner.stats), runner.last_arguments  # verification's calls are not the user's
     report = VerifyReport(runner.stats.frontend, bool(runner.stats.cuda_graphs))
     try:
         for size in chosen:
@@ -171,8 +174,9 @@ def _verify(runner: "PiecewiseModel", example: dict[str, Any], sizes: list[int] 
                 result.diverges = _bisect(runner, *bad_inputs, static, saved)
             report.results.append(result)
     finally:
-        for name, value in static.items():
-            value.copy_(saved[name])
+        _restore(static, saved)
+        runner.stats.update(stats)
+        runner.last_arguments = last
     return report
 
 
@@ -199,8 +203,10 @@ def _restore(static: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) ->
 
 
 def _eager(runner, inputs: dict[str, Any], static, saved, probe: bool = False):
-    """The model's own forward on copies of the static tensors: (output, the copies after it, probe)."""
-    copies = {name: saved[name].clone() for name in static}
+    """The model's own forward on copies of the static arguments (its buffers restored first): (output, the
+    static tensors after it, the probe's calls, their lines)."""
+    _restore(static, saved)
+    copies = {name: saved[name].clone() for name in static if not name.startswith("buffer ")}
     state = runner.state
     recorder = None
     with torch.no_grad():
@@ -212,7 +218,8 @@ def _eager(runner, inputs: dict[str, Any], static, saved, probe: bool = False):
             output = runner.model(**{**inputs, **copies})
     calls = state.probe
     state.probe = None
-    return output, copies, calls, recorder.where if recorder else []
+    after = {name: (copies[name] if name in copies else value.clone()) for name, value in static.items()}
+    return output, after, calls, recorder.where if recorder else []
 
 
 def _splitting(runner) -> frozenset[str]:
@@ -230,7 +237,8 @@ def _compare(runner, inputs: dict[str, Any], static, saved) -> dict[str, tuple[f
         if isinstance(theirs, torch.Tensor):
             errors[f"output {index}"] = (rel_error(ours, theirs), tolerance(theirs.dtype))
     for name, value in static.items():
-        errors[f"static argument {name!r}"] = (rel_error(value, expected_static[name]), tolerance(value.dtype))
+        label = name if name.startswith("buffer ") else f"static argument {name!r}"
+        errors[label] = (rel_error(value, expected_static[name]), tolerance(value.dtype))
     return errors
 
 
