@@ -226,7 +226,8 @@ class _MetadataOps(TorchDispatchMode):
         name = func._schema.name
         info = opaque_op_info(name) if self.tokens is not None and name not in self.found else None
         if info is not None and not info.split:
-            per_token = [a.name for a, value in zip(func._schema.arguments, (*args, *kwargs.values()))
+            values = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(func._schema.arguments)]
+            per_token = [a.name for a, value in zip(func._schema.arguments, values)
                          if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() == 1
                          and value.shape[0] == self.tokens]
             if per_token:

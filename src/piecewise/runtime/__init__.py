@@ -11,6 +11,7 @@ from ..diagnostics.blockers import Blocker, Frame
 from ..diagnostics.classify import FIXES
 from ..errors import CaptureFailed, ForwardRefused
 from ..graph.stack import node_stack
+from .arguments import Arguments
 from .model import PiecewiseModel, compile
 
 __all__ = ["PiecewiseModel", "breakable_trial", "compile", "trial_capture"]
@@ -23,8 +24,8 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: s
 
     Used by ``piecewise.doctor``. The model runs several times on the inputs, as on a first call.
     """
-    probe = PiecewiseModel(model, CaptureConfig(frontend=frontend), None)
-    tokens = probe.arguments.token_count(probe.arguments.bind(tuple(args), dict(kwargs)))
+    binder = Arguments(model, None)
+    tokens = binder.token_count(binder.bind(tuple(args), dict(kwargs)))
     sizes = sorted({1, 2, tokens})
     runner = PiecewiseModel(model, CaptureConfig(capture_sizes=sizes, frontend=frontend, strict=True), None)
     try:
