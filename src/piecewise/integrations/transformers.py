@@ -42,6 +42,7 @@ from ..models.attention import attention as cached_attention
 from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
 from ..parallel import reduce_partial
+from . import dsa
 
 NAME = "piecewise"
 
@@ -100,7 +101,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             f"the piecewise attention takes one sequence (batch 1), got a batch of {query.shape[0]}: call the "
             f"model through piecewise.integrations.transformers.TokenModel"
         )
-    if attention_mask is not None:  # the causal mask is never built (_no_mask): this one is the model's own
+    indices = kwargs.get("indices")  # DeepSeek sparse attention: each query's selected keys (dsa_select)
+    if attention_mask is not None and indices is None:  # the causal mask is never built (_no_mask): the model's own
         raise ValueError(
             f"{type(module).__name__} passes an attention mask of its own ({tuple(attention_mask.shape)}), which the "
             f"piecewise attention does not apply (it computes causal, sliding-window and softcapped attention): "
@@ -122,7 +124,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             f"{k.shape[2]}, the KV cache {kv_cache.shape[-2]} of width {kv_cache.shape[-1]}: make the cache with "
             f"TokenModel(model).make_kv_cache (it reads them from the config), after tensor_parallel if used"
         )
-    if kv_cache is None:
+    if indices is not None:
+        positions = call.get("piecewise_positions")
+        if positions is None:
+            positions = call["position_ids"][0] if call.get("position_ids") is not None else torch.arange(
+                q.shape[0], device=q.device)
+        out = dsa.dsa_attention(q, k, v, positions, call.get("piecewise_slots"), kv_cache, module.layer_idx, scale,
+                                indices[0].long())
+    elif kv_cache is None:
         out = causal_attention(q, k, v, scale, window, softcap)
     else:
         positions = call.get("piecewise_positions")
@@ -185,10 +194,12 @@ def _no_mask(*args, **kwargs):
             f"piecewise.integrations.transformers.TokenModel, which passes none. Models that make a mask of ones "
             f"themselves (BioGPT; OPT before transformers 5.18) are not supported"
         )
+    if dsa.is_indexed(kwargs.get("config")):
+        return dsa.dummy_mask(kwargs)
     return None  # the attention op is causal by itself
 
 
-_LAYER_TYPES = {"full_attention", "sliding_attention"}
+_LAYER_TYPES = {"full_attention", "sliding_attention", dsa.INDEXED}
 
 
 def _check_config(config) -> None:
@@ -197,7 +208,8 @@ def _check_config(config) -> None:
     if layer_types:
         raise ValueError(
             f"piecewise.integrations.transformers cannot run this model's attention: layer_types "
-            f"{sorted(layer_types)} (full and sliding-window causal attention are supported)"
+            f"{sorted(layer_types)} (full and sliding-window causal attention and DeepSeek sparse attention are "
+            f"supported)"
         )
 
 
@@ -219,6 +231,8 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     AttentionMaskInterface.register(NAME, _no_mask)
     model.config._attn_implementation = NAME
     _share_call_arguments(model)
+    if dsa.is_indexed(model.config):
+        dsa.enable_indexed(model, model._piecewise_call)
     if experts is None:
         stacked = [m.gate_up_proj for m in model.modules() if _is_experts(m)]
         experts = getattr(model.config, "_experts_implementation", None) != "grouped_mm" or any(
@@ -368,4 +382,6 @@ class TokenModel(nn.Module):
         kv_heads //= getattr(self.model, "piecewise_world_size", 1)  # this rank's
         weight = next(self.model.parameters())
         shape = (max_seq_len, kv_heads, head_dim) if sequences is None else (sequences, max_seq_len, kv_heads, head_dim)
+        if dsa.is_indexed(c):  # the indexer's key caches, beside this one: buffers of the indexers
+            dsa.make_index_caches(self.model, max_seq_len, sequences, device or weight.device, dtype or weight.dtype)
         return torch.zeros(c.num_hidden_layers, 2, *shape, device=device or weight.device, dtype=dtype or weight.dtype)

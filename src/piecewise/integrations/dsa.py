@@ -1,0 +1,138 @@
+"""DeepSeek sparse attention ("indexed attention": GLM-5's ``glm_moe_dsa``, DeepSeek-V3.2's ``deepseek_v32``) for
+``integrations.transformers``.
+
+A lightning indexer scores every cached key for each query, keeps the top-k, and attention (MLA) runs over those
+keys only. Under piecewise both halves are splitting ops on the real rows: ``dsa_select`` writes the call's
+indexer keys into an indexer key cache beside the MLA cache and picks each query's top-k among the keys at or
+before its position; ``dsa_attention`` writes the call's keys and values into the KV cache and attends over the
+selected ones. The projections (and their rotary embedding, interleaved in GLM-5) stay in the model's code, in
+the pieces. Top-k and gather run on the device: no host sync, capturable. Without a KV cache the call's own
+tokens are the keys.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..opaque import opaque_op
+
+INDEXED = "indexed_attention"
+
+
+def is_indexed(config) -> bool:
+    return INDEXED in set(getattr(config, "layer_types", None) or ())
+
+
+def _select_fake(q, k, weights, positions, slots, index_cache, topk, scale):
+    return q.new_empty(q.shape[0], topk, dtype=torch.long)
+
+
+@opaque_op("piecewise_hf::dsa_select", fake=_select_fake, mutates_args=("index_cache",), split=True)
+def dsa_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor | None, index_cache: torch.Tensor | None, topk: int, scale: float) -> torch.Tensor:
+    """q [T, H, D], k [T, D], weights [T, H] (the indexer's per-head weights, already scaled) → [T, topk] key
+    indices: the cache positions (or, without a cache, the call's token indices) of the top-k keys by
+    Σ_h weights·relu(q·k)·scale among the keys at or before each query's position. Picks past the valid keys
+    point at keys the attention masks out, as transformers' own selection does."""
+    if index_cache is not None:
+        cache = index_cache if slots is not None else index_cache.unsqueeze(0)  # [sequences, max_seq, D]
+        rows = slots if slots is not None else torch.zeros_like(positions)
+        cache[rows, positions] = k.to(cache.dtype)
+        keys = cache[rows].float()  # [T, max_seq, D]
+        key_positions = torch.arange(cache.shape[1], device=q.device)
+    else:
+        keys = k.float().unsqueeze(0).expand(q.shape[0], -1, -1)
+        key_positions = positions
+    scores = F.relu(torch.einsum("thd,tjd->thj", q.float(), keys)) * scale
+    index = torch.einsum("th,thj->tj", weights.float(), scores)
+    index = index.masked_fill(key_positions[None, :] > positions[:, None], float("-inf"))
+    if index.shape[1] < topk:  # fewer keys than picks (no cache): the rest point past them, masked
+        index = F.pad(index, (0, topk - index.shape[1]), value=float("-inf"))
+    return index.topk(topk, dim=-1).indices
+
+
+def _attention_fake(q, k, v, positions, slots, kv_cache, layer, scale, indices):
+    return q.new_empty(q.shape)
+
+
+@opaque_op("piecewise_hf::dsa_attention", fake=_attention_fake, mutates_args=("kv_cache",), split=True)
+def dsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor | None, kv_cache: torch.Tensor | None, layer: int, scale: float,
+                  indices: torch.Tensor) -> torch.Tensor:
+    """q / k / v [T, H, W] (MLA, one width), ``indices`` [T, K] from ``dsa_select`` → [T, H, W]: each query
+    attends over its selected keys at or before its position. With ``kv_cache`` the call's keys and values are
+    written at ``positions`` first (of sequence ``slots[t]`` where given)."""
+    if kv_cache is not None:
+        cache = kv_cache[layer] if slots is not None else kv_cache[layer].unsqueeze(1)  # [2, seq, max_seq, H, W]
+        rows = slots if slots is not None else torch.zeros_like(positions)
+        cache[0][rows, positions] = k
+        cache[1][rows, positions] = v
+        picked = indices.clamp(max=cache.shape[2] - 1)
+        keys, values = cache[0][rows[:, None], picked], cache[1][rows[:, None], picked]  # [T, K, H, W]
+        key_positions = indices
+    else:
+        picked = indices.clamp(max=k.shape[0] - 1)
+        keys, values = k[picked], v[picked]
+        key_positions = torch.where(indices < k.shape[0], positions[picked], positions.new_tensor(2**62))
+    scores = torch.einsum("thw,tkhw->thk", q.float(), keys.float()) * scale
+    scores = scores.masked_fill((key_positions > positions[:, None])[:, None, :], float("-inf"))
+    weights = scores.softmax(-1)
+    return torch.einsum("thk,tkhw->thw", weights, values.float()).to(q.dtype)
+
+
+def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
+    """The model's indexer with its top-k selection in ``dsa_select`` (its projections and rotary as written)."""
+    modeling = sys.modules[type(self).__module__]
+    rotate = getattr(modeling, "apply_rotary_pos_emb_interleave") if "GlmMoeDsa" in type(self).__name__ else \
+        getattr(modeling, "apply_rotary_pos_emb")
+    batch, tokens, _ = hidden_states.shape
+    cos, sin = position_embeddings
+    q = self.wq_b(q_resid).view(batch, tokens, self.n_heads, self.head_dim)
+    q_rot, q_pass = torch.split(q, [self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim], dim=-1)
+    k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim], dim=-1)
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)[0]  # [T, H, D]
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)[0]  # [T, D]
+    weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()[0] * (self.n_heads ** -0.5)
+    call = self._piecewise_call
+    positions = call.get("piecewise_positions")
+    if positions is None:
+        positions = position_ids[0] if position_ids is not None else torch.arange(tokens, device=q.device)
+    index_cache = getattr(self, "piecewise_index_cache", None) if call.get("piecewise_kv_cache") is not None else None
+    if call.get("piecewise_kv_cache") is not None and index_cache is None:
+        raise ValueError("the indexer key cache is missing: make the KV cache with TokenModel(model).make_kv_cache, "
+                         "which makes it too, before the first call")
+    topk = self.index_topk if index_cache is None else min(self.index_topk, index_cache.shape[-2])
+    return dsa_select(q, k, weights, positions, call.get("piecewise_slots"), index_cache, topk,
+                      self.softmax_scale)[None]
+
+
+def enable_indexed(model: nn.Module, shared: dict) -> None:
+    """Route every DSA indexer of ``model`` through ``dsa_select`` (the attention goes through ``dsa_attention``,
+    see ``integrations.transformers.attention_forward``)."""
+    for module in model.modules():
+        if type(module).__name__.endswith("Indexer") and hasattr(module, "weights_proj"):
+            module.forward = types.MethodType(indexer_forward, module)
+            module._piecewise_call = shared
+
+
+def make_index_caches(model: nn.Module, max_seq_len: int, sequences: int | None, device, dtype) -> None:
+    """The indexer key caches beside the KV cache: one buffer per indexer, [(sequences,) max_seq_len, D]."""
+    for module in model.modules():
+        if type(module).__name__.endswith("Indexer") and hasattr(module, "weights_proj"):
+            shape = (max_seq_len, module.head_dim) if sequences is None else (sequences, max_seq_len, module.head_dim)
+            module.register_buffer("piecewise_index_cache", torch.zeros(shape, device=device, dtype=dtype),
+                                   persistent=False)
+
+
+def dummy_mask(kwargs: dict) -> torch.Tensor:
+    """What the mask interface gives an indexed-attention model: its attention indexes the mask
+    (``attention_mask[:, 0]``) before the piecewise ops, which mask by position themselves."""
+    like = kwargs.get("inputs_embeds", kwargs.get("input_embeds"))
+    return torch.zeros(1, 1, 1, 1, device=getattr(like, "device", None), dtype=getattr(like, "dtype", None))

@@ -1,0 +1,123 @@
+"""GLM-5 (``glm_moe_dsa``) and DeepSeek-V3.2 (``deepseek_v32``): DeepSeek sparse attention under piecewise equals
+transformers' eager forward — prefill then decode steps, three sequences through slots, no cache — and the
+indexer picks the same keys as transformers' at every step. Top-k (4) is smaller than the context (11), so the
+selection matters. The indexer has 16 heads: with few heads relu makes many index scores exactly 0, and top-k
+over ties is not even stable in transformers itself (its cached decode then differs from its whole-sequence
+forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piecewise
+
+transformers = pytest.importorskip("transformers")
+from piecewise.integrations.transformers import TokenModel, enable  # noqa: E402
+
+ARCHITECTURES = {"GlmMoeDsa": "GlmMoeDsaConfig", "DeepseekV32": "DeepseekV32Config"}
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+             first_k_dense_replace=1, n_shared_experts=1, index_n_heads=16, index_head_dim=16, index_topk=4)
+
+
+def build(name: str, seed: int = 0):
+    config_class = getattr(transformers, ARCHITECTURES[name])
+    if not hasattr(transformers, ARCHITECTURES[name]):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    torch.manual_seed(seed)
+    config = config_class(**SMALL)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    return model
+
+
+def indexers(model):
+    return [layer.self_attn.indexer for layer in model.model.layers if layer.self_attn.indexer is not None]
+
+
+def selections(model, run) -> list[list[set]]:
+    """Per indexer, the keys each query row picked during ``run()`` among those at or before its position (the
+    other picks point at keys the attention masks out). Rows are numbered by position."""
+    picked = [[] for _ in indexers(model)]
+
+    def hook(index, module, args, kwargs, out):
+        positions = (kwargs.get("position_ids") if "position_ids" in kwargs else args[4])[0].tolist()
+        picked[index].extend({key for key in row.tolist() if key <= position}
+                             for row, position in zip(out[0], positions))
+
+    hooks = [indexer.register_forward_hook(lambda m, a, kw, out, i=i: hook(i, m, a, kw, out), with_kwargs=True)
+             for i, indexer in enumerate(indexers(model))]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return picked
+
+
+@pytest.mark.parametrize("frontend", ["auto", "breakable"])
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_prefill_then_decode_equals_transformers_and_the_indexer_picks_the_same_keys(name, frontend):
+    model = build(name)
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids[None], use_cache=False).logits[0]
+    theirs = selections(model, lambda: model(input_ids=ids[None], use_cache=False))
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=32)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend))
+    logits = []
+
+    def run():
+        logits.append(runner(ids[:6], torch.arange(6), cache))
+        for position in range(6, 11):
+            logits.append(runner(ids[position : position + 1], torch.tensor([position]), cache))
+
+    run()
+    torch.testing.assert_close(torch.cat(logits), expected, rtol=1e-5, atol=1e-5)
+    assert runner.stats["frontend"] == ("breakable" if frontend == "breakable" else "dynamo")
+    cache.zero_()  # the same steps through the enabled model, unpadded: the indexer picks transformers' keys
+
+    def steps():
+        token_model(ids[:6], torch.arange(6), cache)
+        for position in range(6, 11):
+            token_model(ids[position : position + 1], torch.tensor([position]), cache)
+
+    assert selections(model, steps) == theirs, "the indexer's top-k differs from transformers'"
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_three_sequences_through_slots_and_no_cache_equal_transformers(name):
+    model = build(name, seed=2)
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 256, (n,), generator=generator) for n in (7, 5, 9)]
+    with torch.no_grad():
+        expected = [model(input_ids=s[None], use_cache=False).logits[0] for s in sequences]
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=32, sequences=3)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    got = [[] for _ in sequences]
+    positions = [4, 3, 5]
+    with torch.no_grad():
+        for slot, (sequence, prompt) in enumerate(zip(sequences, positions)):
+            got[slot].append(runner(sequence[:prompt], torch.arange(prompt), cache, torch.full((prompt,), slot)))
+        while live := [slot for slot, s in enumerate(sequences) if positions[slot] < len(s)]:
+            ids = torch.stack([sequences[slot][positions[slot]] for slot in live])
+            out = runner(ids, torch.tensor([positions[slot] for slot in live]), cache, torch.tensor(live))
+            for row, slot in enumerate(live):
+                got[slot].append(out[row : row + 1])
+                positions[slot] += 1
+        no_cache = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+        whole = no_cache(sequences[2], torch.arange(9))
+    for logits, reference in zip(got, expected):
+        torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(whole, expected[2], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_made_after_the_first_call_names_the_fix():
+    model = build("GlmMoeDsa")
+    token_model = TokenModel(enable(model))
+    with torch.no_grad(), pytest.raises(ValueError, match="indexer key cache is missing.*make_kv_cache"):
+        token_model(torch.randint(0, 256, (3,)), torch.arange(3), torch.zeros(3, 2, 32, 4, 24))
