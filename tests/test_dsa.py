@@ -121,3 +121,32 @@ def test_a_cache_made_after_the_first_call_names_the_fix():
     token_model = TokenModel(enable(model))
     with torch.no_grad(), pytest.raises(ValueError, match="indexer key cache is missing.*make_kv_cache"):
         token_model(torch.randint(0, 256, (3,)), torch.arange(3), torch.zeros(3, 2, 32, 4, 24))
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_nvfp4_weights_under_piecewise_equal_the_same_model_eager(name):
+    """``quantize``: NVFP4 linear layers (the indexer's too) and grouped experts; piecewise's prefill and decode
+    give exactly what the quantized model gives eagerly (the CPU reference)."""
+    from piecewise.integrations.transformers import quantize
+
+    model = build(name).to(torch.bfloat16)
+    token_model = TokenModel(enable(model))
+    converted = quantize(model)
+    assert [n for n, m in model.named_modules() if type(m) is torch.nn.Linear] == ["lm_head"]
+    assert any("indexer" in n for n in converted)
+    seen = []  # the indexer's head weights take the hidden states as they are (its NVFP4 weight is packed codes)
+    hooks = [indexer.weights_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+             for indexer in indexers(model)]
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    logits = {}
+    for key, call in (("eager", token_model), ("piecewise", runner)):
+        cache = token_model.make_kv_cache(max_seq_len=32)
+        with torch.no_grad():
+            steps = [call(ids[:5], torch.arange(5), cache)]
+            steps += [call(ids[p : p + 1], torch.tensor([p]), cache) for p in range(5, 9)]
+        logits[key] = torch.cat(steps)
+    assert torch.equal(logits["piecewise"], logits["eager"])
+    for hook in hooks:
+        hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}, set(seen)

@@ -99,7 +99,9 @@ def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)[0]  # [T, H, D]
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)[0]  # [T, D]
-    weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()[0] * (self.n_heads ** -0.5)
+    weight = getattr(self.weights_proj, "weight", None)  # an NVFP4 layer's is packed codes: keep the model's dtype
+    dtype = weight.dtype if weight is not None and weight.is_floating_point() else hidden_states.dtype
+    weights = self.weights_proj(hidden_states.to(dtype)).float()[0] * (self.n_heads ** -0.5)
     call = self._piecewise_call
     positions = call.get("piecewise_positions")
     if positions is None:
