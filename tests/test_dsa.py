@@ -23,9 +23,9 @@ SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermed
 
 
 def build(name: str, seed: int = 0):
-    config_class = getattr(transformers, ARCHITECTURES[name])
     if not hasattr(transformers, ARCHITECTURES[name]):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    config_class = getattr(transformers, ARCHITECTURES[name])
     torch.manual_seed(seed)
     config = config_class(**SMALL)
     model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
