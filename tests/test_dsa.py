@@ -150,3 +150,24 @@ def test_nvfp4_weights_under_piecewise_equal_the_same_model_eager(name):
     for hook in hooks:
         hook.remove()
     assert seen and set(seen) == {torch.bfloat16}, set(seen)
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_a_quantized_model_saved_in_modelopts_format_and_loaded_from_the_meta_device_gives_the_same_logits(
+        name, tmp_path):
+    """GLM-5's and DeepSeek-V3.2's layer names (the indexer's linear layers, the routed and shared experts) through
+    ``save_modelopt_nvfp4`` and ``load_modelopt_nvfp4``."""
+    from piecewise.integrations.modelopt import load_modelopt_nvfp4, save_modelopt_nvfp4
+    from piecewise.integrations.transformers import quantize
+
+    model = build(name)
+    quantize(enable(model))
+    save_modelopt_nvfp4(model, tmp_path)
+    with torch.device("meta"):
+        loaded = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+    converted = load_modelopt_nvfp4(loaded, tmp_path)
+    assert any("indexer" in n for n in converted) and any("experts" in n for n in converted)
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(6))
+    token, loaded_token = TokenModel(model), TokenModel(enable(loaded))
+    with torch.no_grad():
+        assert torch.equal(loaded_token(ids, torch.arange(9)), token(ids, torch.arange(9)))
