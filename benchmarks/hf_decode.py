@@ -4,6 +4,7 @@ experts either captured in the graphs, transformers' grouped_mm, or a splitting 
 
     PYTHONPATH=src python benchmarks/hf_decode.py --out DIR [--layers 4] [--context 512] [--batch 1,8,32]
     PYTHONPATH=src python benchmarks/hf_decode.py --tiny          # a small config on any device (checks the script)
+    PYTHONPATH=src python benchmarks/hf_decode.py --model glm5 --context 2048 [--frontend breakable]   # GLM-5 (DSA)
 
 Writes hf_decode.json and hf_decode.md: host-inclusive ms per decode step of B sequences (one token each; piecewise
 takes them as one flattened call with ``slots``), median of rounds, and each variant's rel. error against
@@ -34,13 +35,22 @@ TINY = dict(AIR, vocab_size=512, hidden_size=128, intermediate_size=256, moe_int
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=16, num_experts_per_tok=4)
 
 
-def build(config_values: dict, layers: int, device: str, dtype: torch.dtype):
+GLM5 = dict(vocab_size=154880)  # transformers' GlmMoeDsaConfig defaults are GLM-5's shapes
+GLM5_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                 v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, n_group=1, topk_group=1,
+                 first_k_dense_replace=1, n_shared_experts=1, index_n_heads=16, index_head_dim=32, index_topk=16)
+MODELS = {"glm45air": ("Glm4Moe", AIR, TINY, "GLM-4.5-Air layer shapes"),
+          "glm5": ("GlmMoeDsa", GLM5, GLM5_TINY, "GLM-5 layer shapes, DeepSeek sparse attention")}
+
+
+def build(config_values: dict, layers: int, device: str, dtype: torch.dtype, architecture: str = "Glm4Moe"):
     import transformers
 
-    config = transformers.Glm4MoeConfig(num_hidden_layers=layers, **config_values)
+    config = getattr(transformers, f"{architecture}Config")(num_hidden_layers=layers, **config_values)
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.Glm4MoeForCausalLM(config).to(dtype).eval()
+        model = getattr(transformers, f"{architecture}ForCausalLM")(config).to(dtype).eval()
     for module in model.modules():  # transformers leaves expert weights uninitialised outside from_pretrained
         if hasattr(module, "gate_up_proj"):
             torch.nn.init.normal_(module.gate_up_proj, std=0.02)
@@ -102,6 +112,8 @@ def parse_arguments(description: str) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence before the step")
     parser.add_argument("--batch", default="1,8,32", help="sequences decoding together, comma-separated")
     parser.add_argument("--tiny", action="store_true", help="a small config (checks the script on any machine)")
+    parser.add_argument("--model", default="glm45air", choices=sorted(MODELS), help="layer shapes (default glm45air)")
+    parser.add_argument("--frontend", default="auto", choices=["auto", "dynamo", "breakable"], help="piecewise front-end")
     return parser.parse_args()
 
 
@@ -111,7 +123,8 @@ def main() -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rounds, iters = (3, 3) if args.tiny else (7, 20)
-    config_values = TINY if args.tiny else AIR
+    architecture, real, tiny, shapes = MODELS[args.model]
+    config_values = tiny if args.tiny else real
     prompt_len = min(args.context, 32) if args.tiny else args.context
     batches = [int(b) for b in args.batch.split(",")]
     widest = max(batches)
@@ -121,8 +134,9 @@ def main() -> int:
     results: dict[str, dict[int, float]] = {}
     errors: dict[str, dict[int, float]] = {}
     capture: dict[str, float] = {}
+    frontends: dict[str, str] = {}
     with torch.no_grad():
-        model = build(config_values, args.layers, device, dtype)
+        model = build(config_values, args.layers, device, dtype, architecture)
         as_built = (model.config._attn_implementation, model.config._experts_implementation)
 
         def last_logits(m):
@@ -162,7 +176,7 @@ def main() -> int:
                 del reference
             kv_cache = token_model.make_kv_cache(max_seq_len=prompt_len + 1, sequences=widest)
             # decode sizes only: prompts above max_tokens run the compiled pieces without graphs
-            runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=max(batches)))
+            runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=max(batches), frontend=args.frontend))
             for slot in range(widest):  # prefill each sequence into its slot
                 runner(ids[slot, :prompt_len], torch.arange(prompt_len, device=device), kv_cache,
                        torch.full((prompt_len,), slot, device=device))
@@ -175,12 +189,13 @@ def main() -> int:
                 errors.setdefault(name, {})[b] = rel_error(step(), expected_nvfp4[b] if nvfp4 else expected[b])
                 results.setdefault(name, {})[b] = timed(step, sync, rounds, iters)
             capture[name] = runner.stats["capture_seconds"]
+            frontends[name] = runner.stats["frontend"]
 
     meta = {
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "command": "PYTHONPATH=src python benchmarks/hf_decode.py " + " ".join(sys.argv[1:]),
-        "model": f"Glm4MoeForCausalLM, {args.layers} layers ({'tiny config' if args.tiny else 'GLM-4.5-Air layer shapes'}), "
+        "model": f"{architecture}ForCausalLM, {args.layers} layers ({'tiny config' if args.tiny else shapes}), "
                  f"random weights, {dtype}, {prompt_len} tokens of context per sequence",
     }
     lines = ["# Decode step of a transformers GLM-MoE model", "", *(f"- {k}: {v}" for k, v in meta.items()), "",
@@ -189,7 +204,8 @@ def main() -> int:
              "| variant | " + " | ".join(f"B={b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
     lines += [f"| {name} | " + " | ".join(f"{row[b]:.3f} ({errors[name][b]:.1e})" for b in batches) + " |"
               for name, row in results.items()]
-    lines += ["", *(f"- capture seconds, {name}: {seconds:.1f}" for name, seconds in capture.items())]
+    lines += ["", *(f"- capture seconds, {name}: {seconds:.1f} ({frontends[name]} front-end)"
+                    for name, seconds in capture.items())]
     if reference_error:
         lines += ["- NVFP4 weights against the bf16 model (transformers' forward, both): rel. error "
                   + ", ".join(f"{reference_error[b]:.1e} at B={b}" for b in batches)]
