@@ -91,8 +91,9 @@ class CaptureConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
-            explicit = self.capture_sizes is not None and list(self.capture_sizes)
-            self.max_tokens = max(explicit) if explicit and all(isinstance(v, int) and v >= 1 for v in explicit) else DEFAULT_MAX_TOKENS
+            explicit = list(self.capture_sizes or [])
+            valid = explicit and all(isinstance(v, int) and v >= 1 for v in explicit)  # bad ones: refused below
+            self.max_tokens = max(explicit) if valid else DEFAULT_MAX_TOKENS
             self._top_given = False
         else:
             self._top_given = True

@@ -48,13 +48,13 @@ class BreakableFrontend:
     name = "breakable"
 
     def __init__(self, model: torch.nn.Module, config: CaptureConfig, state: CaptureState, stats: Stats,
-                 stager: InputStager, static_tensors: list[torch.Tensor]):
+                 stager: InputStager):
         self.model = model
         self.state = state
         self.stats = stats
         self.stager = stager
         self.splitting = resolve_splitting_ops(config.splitting_ops)
-        self.static = {storage(t) for t in [*model.parameters(), *model.buffers(), *static_tensors]}
+        self.static = state.static_storages  # the model's parameters and buffers, static arguments (late ones too)
         self.recordings: dict[int, Recording] = {}
         self.buffers: dict[tuple[int, int], RowBuffer] = {}  # (call index in the forward, output) → buffer
         self.fixed: dict[tuple[int, int], torch.Tensor] = {}  # the same for outputs without token rows
@@ -105,10 +105,6 @@ class BreakableFrontend:
             f"piecewise: the model is called with other arguments than its graphs were captured for ({changes}); "
             f"such calls run without CUDA graphs. Call the model with the arguments it was captured with, or "
             f"compile a separate runner for this variant.", stacklevel=6)
-
-    def add_static(self, tensor: torch.Tensor) -> None:
-        """A static argument first given after the first call (a KV cache): writes into it are cut too."""
-        self.static.add(storage(tensor))
 
     def _keeps(self, tensor: torch.Tensor) -> bool:
         """Whether a recorded tensor lives outside the graph pool (static, staged or a splitting-op buffer)."""

@@ -67,11 +67,12 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     use_graphs = runner.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()
     runner.state.graphs_enabled = runner.stats.cuda_graphs = use_graphs
     choice = runner.config.frontend
-    if choice == "auto" and not runner.config.strict:  # the first that works: Dynamo as one graph, breakable, Dynamo with graph breaks
-        candidates = [lambda: _dynamo(runner, "report"), lambda: _breakable(runner, static),
+    # "auto": the first that works of Dynamo as one graph, breakable, Dynamo with graph breaks.
+    if choice == "auto" and not runner.config.strict:
+        candidates = [lambda: _dynamo(runner, "report"), lambda: _breakable(runner),
                       lambda: _dynamo(runner, "break")]
     elif choice == "breakable":
-        candidates = [lambda: _breakable(runner, static)]
+        candidates = [lambda: _breakable(runner)]
     else:
         candidates = [lambda: _dynamo(runner, "raise" if runner.config.strict else "break")]
     reasons: list[str] = []
@@ -108,8 +109,8 @@ def _dynamo(runner: "PiecewiseModel", on_blocker: str) -> DynamoFrontend:
                           lambda: list(runner.arguments.dynamic))
 
 
-def _breakable(runner: "PiecewiseModel", static: list[torch.Tensor]) -> BreakableFrontend:
-    return BreakableFrontend(runner.model, runner.config, runner.state, runner.stats, runner.stager, static)
+def _breakable(runner: "PiecewiseModel") -> BreakableFrontend:
+    return BreakableFrontend(runner.model, runner.config, runner.state, runner.stats, runner.stager)
 
 
 def _reset_after(runner: "PiecewiseModel", exc: Exception) -> str:

@@ -73,8 +73,6 @@ class PiecewiseModel:
             for tensor in self.arguments.adopt_late(arguments, tokens):
                 self.state.stable_ptrs.add(tensor.data_ptr())
                 self.state.static_storages.add(tensor.untyped_storage().data_ptr())
-                if hasattr(self.frontend, "add_static"):
-                    self.frontend.add_static(tensor)
         self.arguments.check_static(arguments)
         self.last_arguments = arguments
         # Inference semantics for everything piecewise runs, whatever the caller's grad mode: no autograd graph,
@@ -168,8 +166,8 @@ class PiecewiseModel:
         """Check every captured size (or ``sizes``) against the eager model: per size the size itself, one token
         below it and the smallest count that pads to it, with inputs other than the capture's (made from these
         example arguments, or the last call's; ``make_inputs(num_tokens)`` returns ``args`` or ``(args,
-        kwargs)`` instead, whose static tensors are replaced by the captured ones). Outputs and written static tensors (KV caches) are compared within a dtype-aware
-        tolerance; a mismatch names the stretch of the forward where the runner first parts from eager. Static
+        kwargs)`` instead, whose static tensors are replaced by the captured ones). Outputs and written static
+        tensors (KV caches) are compared within a dtype-aware tolerance; a mismatch names the stretch of the forward where the runner first parts from eager. Static
         tensors are restored afterwards. Captures first if this runner has not run yet."""
         if args or kwargs:
             example = self.arguments.bind(args, kwargs)
