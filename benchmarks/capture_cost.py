@@ -1,15 +1,19 @@
 """Capture cost of 51 sizes (vLLM's ladder to 512) on the L16 decode model, per front-end: first-call seconds,
 capture seconds, pool bytes, graphs.
 
-    PYTHONPATH=src python benchmarks/capture_cost.py [--out DIR]
+    PYTHONPATH=src python benchmarks/capture_cost.py [--out DIR] [--profile]
+
+``--profile`` prints where each front-end's first call spends its host time (cProfile, top 30 by own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -22,6 +26,7 @@ from piecewise.models.decode import L16, DecodeLlama
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = DecodeLlama(L16).to(device="cuda", dtype=torch.bfloat16).eval()
@@ -31,8 +36,14 @@ def main() -> int:
     rows = {}
     for frontend in ("breakable", "dynamo"):
         runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=512, frontend=frontend))
+        profile = cProfile.Profile() if args.profile else None
         started = time.perf_counter()
+        if profile:
+            profile.enable()
         runner.capture(ids, positions, cache)
+        if profile:
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(30)
         stats = runner.stats
         rows[frontend] = {"first_call_seconds": round(time.perf_counter() - started, 3),
                           "capture_seconds": round(stats["capture_seconds"], 3), "sizes": len(stats["captured_sizes"]),

@@ -38,6 +38,23 @@ def test_a_correct_model_passes_every_size_and_its_cache_is_put_back(frontend, a
     assert "match" in str(report) and "MISMATCH" not in str(report)
 
 
+def test_decode_at_the_end_of_a_full_cache_is_verified_with_positions_inside_it():
+    """Every sequence at the cache's last position (a decode step over a full context): the inputs made for the
+    other token counts stay inside the cache, and the stats say what the first call verified."""
+    from piecewise.models.decode import DecodeLlama
+    from piecewise.models.llama import LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                         intermediate_size=64, max_seq_len=16)
+    model = DecodeLlama(config).eval()
+    cache = model.make_kv_cache(8)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, verify="all"))
+    with torch.no_grad():
+        runner(torch.randint(0, 64, (5,)), torch.full((5,), config.max_seq_len - 1), cache)
+    runner.stats.expect(verified_sizes=[1, 2, 4, 8])
+    assert runner.stats["verify_seconds"] > 0
+
+
 @pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
 def test_padding_rows_reaching_code_that_combines_tokens_is_a_mismatch_past_the_first_call_check(frontend):
     model, (x,) = doctor_targets.rolls_tokens()

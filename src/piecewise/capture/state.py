@@ -45,6 +45,8 @@ class CaptureState:
     graphs_enabled: bool = False
     capture_done: bool = False
     pool: Any = None
+    workspace_graph: Any = None
+    """The throwaway capture that made the capture stream's cuBLAS workspaces inside ``pool``."""
     static_storages: set[int] = field(default_factory=set)
     """Storages of the model's parameters and buffers and of its static arguments."""
     stable_ptrs: set[int] = field(default_factory=set)

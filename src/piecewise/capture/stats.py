@@ -41,6 +41,9 @@ class Stats(MutableMapping):
     direct_calls: int = 0
     """Calls that skipped Dynamo's frame hook (Dynamo front-end)."""
     graph_breaks: int = 0
+    verified_sizes: list[int] = field(default_factory=list)
+    """Sizes ``CaptureConfig(verify=...)`` checked against eager at the first call."""
+    verify_seconds: float = 0.0
     prewarm_seconds: float = 0.0
     compile_seconds: float = 0.0
 

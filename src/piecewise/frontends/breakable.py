@@ -35,10 +35,11 @@ from .user_frames import chain_text, user_chain
 
 logger = logging.getLogger(__name__)
 
-# Ops that wait for the device (their result goes to the host): illegal while a CUDA graph captures.
+# Ops that wait for the device (their result goes to the host): illegal while a CUDA graph captures. ``item`` is
+# seen undecomposed on some torch versions (2.11), ``_local_scalar_dense`` on others.
 _HOST_SYNC = frozenset({
-    "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim",
-    "aten::unique_consecutive", "aten::equal", "aten::is_nonzero",
+    "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+    "aten::unique_dim", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero",
 })
 
 

@@ -21,11 +21,12 @@ from torch import nn
 
 from ..opaque import opaque_op
 
-INDEXED = "indexed_attention"
+INDEXED = frozenset({"indexed_attention", "deepseek_sparse_attention"})
+"""The layer type's name: ``deepseek_sparse_attention`` up to transformers 5.17, ``indexed_attention`` after."""
 
 
 def is_indexed(config) -> bool:
-    return INDEXED in set(getattr(config, "layer_types", None) or ())
+    return bool(INDEXED & set(getattr(config, "layer_types", None) or ()))
 
 
 def _select_fake(q, k, weights, positions, slots, index_cache, topk, scale):
@@ -85,7 +86,8 @@ def dsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     return torch.einsum("thk,tkhw->thw", weights, values.float()).to(q.dtype)
 
 
-def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
+def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None,
+                    past_key_values=None):
     """The model's indexer with its top-k selection in ``dsa_select`` (its projections and rotary as written)."""
     modeling = sys.modules[type(self).__module__]
     rotate = getattr(modeling, "apply_rotary_pos_emb_interleave") if "GlmMoeDsa" in type(self).__name__ else \

@@ -199,7 +199,7 @@ def _no_mask(*args, **kwargs):
     return None  # the attention op is causal by itself
 
 
-_LAYER_TYPES = {"full_attention", "sliding_attention", dsa.INDEXED}
+_LAYER_TYPES = {"full_attention", "sliding_attention", *dsa.INDEXED}
 
 
 def _check_config(config) -> None:

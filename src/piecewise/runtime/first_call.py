@@ -98,7 +98,9 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
                                                                                  runner.ladder.sizes[-1]})
         started = time.perf_counter()
         report = verify(runner, arguments, sizes)
-        logger.info("piecewise: verified %d size(s) in %.2f s", len(sizes), time.perf_counter() - started)
+        runner.stats.verify_seconds = time.perf_counter() - started
+        runner.stats.verified_sizes = list(sizes)
+        logger.info("piecewise: verified %d size(s) in %.2f s", len(sizes), runner.stats.verify_seconds)
         if not report.ok:
             raise VerificationError(report)
 
@@ -136,7 +138,7 @@ def _reset_after(runner: "PiecewiseModel", exc: Exception) -> str:
     if runner.state.pool is not None:
         torch.cuda.synchronize()
     runner.frontend.release()
-    runner.state.pool = None
+    runner.state.pool = runner.state.workspace_graph = None
     runner.state.capture_done = False
     runner.state.captured_this_size.clear()
     runner.ladder.sizes[:] = runner.config.sizes  # a size dropped for one front-end is served again

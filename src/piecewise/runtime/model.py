@@ -192,7 +192,7 @@ class PiecewiseModel:
             torch.cuda.synchronize()
         if self.frontend is not None:
             self.frontend.release()
-        state.pool = None
+        state.pool = state.workspace_graph = None
         state.graphs_enabled = False
         self.stats.update(cuda_graphs=False, graphs=0, captured_sizes=[], pool_bytes=0)
 

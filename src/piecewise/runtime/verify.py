@@ -115,8 +115,9 @@ def token_counts(sizes: list[int], size: int) -> list[int]:
 
 def default_inputs(runner: "PiecewiseModel", example: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
     """Inputs of any token count made from the example call, with values other than the capture's: token rows
-    repeated from a shifted start; integer rows in an arithmetic pattern (positions) continued past the example's
-    first value; static arguments as given."""
+    repeated from a shifted start; integer rows in an arithmetic pattern (positions) continued from one past the
+    example's first value (one before it where every row holds the same value); static arguments as given. Where
+    these leave the model's valid range (positions past the cache), pass ``make_inputs``."""
     names = runner.arguments.given_tokens(example)
 
     def make(tokens: int) -> dict[str, Any]:
@@ -126,7 +127,11 @@ def default_inputs(runner: "PiecewiseModel", example: dict[str, Any]) -> Callabl
             count = value.shape[0]
             steps = value[1:] - value[:-1] if count > 1 and value.dim() == 1 and not value.is_floating_point() else None
             if steps is not None and bool((steps == steps[0]).all()) and int(steps[0]) >= 0:
-                made[name] = value[0] + 1 + int(steps[0]) * torch.arange(tokens, device=value.device, dtype=value.dtype)
+                step, first = int(steps[0]), int(value[0])
+                # Other values than the capture's, never past the example's own: one position back where all rows
+                # share one (decode at the end of a full cache), one forward otherwise.
+                start = first - 1 if step == 0 and first > 0 else first + 1
+                made[name] = start + step * torch.arange(tokens, device=value.device, dtype=value.dtype)
             else:
                 made[name] = value[(torch.arange(tokens, device=value.device) + 1) % count]
         return made
