@@ -181,9 +181,12 @@ def main() -> int:
     capture = {}
     runners = []
     variants = [("breakable", "eager"), ("dynamo", "eager")] + ([] if args.skip_inductor else [("dynamo", "inductor")])
-    for frontend, compiler in variants:
+    variants = [(*v, mode) for mode in ("piecewise", "full_and_piecewise") for v in variants]
+    for frontend, compiler, mode in variants:
         name = "piecewise (breakable)" if frontend == "breakable" else f"piecewise ({compiler} pieces)"
-        config = piecewise.CaptureConfig(max_tokens=512, compiler=compiler, frontend=frontend)
+        name = name if mode == "piecewise" else name.replace("piecewise (", "full_and_piecewise (")
+        config = piecewise.CaptureConfig(max_tokens=512, compiler=compiler, frontend=frontend, graph_mode=mode,
+                                         max_decode_batch=max(BATCHES))
         runner = piecewise.compile(model, config)
         runners.append(runner)
         ids, positions, _ = inputs(max(BATCHES), cache, L16.vocab_size)
@@ -200,6 +203,8 @@ def main() -> int:
             "graphs": stats["graphs"],
             "pieces": stats["pieces"],
             "traces": stats["traces"],
+            "graph_mode": stats["graph_mode"],
+            "full_graphs": stats["full_graphs"],
         }
         for batch in BATCHES:
             ids, positions, _ = inputs(batch, cache, L16.vocab_size)
@@ -228,8 +233,7 @@ def main() -> int:
         every = {(batch, variant): fn for batch in BATCHES for variant, fn in steps[batch].items()}
         for (batch, variant), ms in round_robin_ms(every).items():
             results.setdefault(variant, {})[batch] = ms
-    for runner in runners:
-        name = "piecewise (breakable)" if runner.config.frontend == "breakable" else f"piecewise ({runner.config.compiler} pieces)"
+    for name, runner in zip(capture, runners):
         capture[name]["traces_after_all_batches"] = runner.stats["traces"]
 
     meta = {
@@ -273,6 +277,12 @@ def main() -> int:
             best = min(results["full graph"][b], results["reduce-overhead"][b])
             mine = results["piecewise (inductor pieces)"][b]
             lines.append(f"- B={b}: piecewise(inductor) {mine:.3f} vs min(full graph, reduce-overhead) {best:.3f}")
+    for variant in [v for v in results if v.startswith("full_and_piecewise")]:
+        for b in BATCHES:
+            piece = results.get(variant.replace("full_and_piecewise", "piecewise"), {}).get(b)
+            lines.append(f"- B={b}: {variant} / full graph {results[variant][b] / results['full graph'][b]:.3f} "
+                         f"(target ≤ 0.95 with inductor), / piecewise {results[variant][b] / piece:.3f} (target ≤ 1)"
+                         if piece else f"- B={b}: {variant} {results[variant][b]:.3f}")
     lines += ["", "Capture (51 sizes, max_tokens 512):", ""]
     for name, info in capture.items():
         lines.append(f"- {name}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items()))

@@ -35,7 +35,7 @@ def sequence(model, runner, counts, cache):
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_explicit_capture_sizes_top_the_graphs_and_larger_calls_run_without_them(frontend):
     model, (_, _, cache) = example(tokens=3)
-    config = piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 15], frontend=frontend)
+    config = piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 15], frontend=frontend, graph_mode="piecewise")
     assert config.max_tokens == 15
     runner = piecewise.compile(model, config)
     with torch.no_grad():

@@ -102,7 +102,8 @@ def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool, frontend: st
         with torch.no_grad():
             eager = model(ids, positions, cache)
         assert rel_error(eager, expected[7]) <= 1e-5, rel_error(eager, expected[7])
-        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
+                                                                  graph_mode="piecewise"))
         op = "piecewise_ops::all_reduce_in_graph" if in_graph else "piecewise_ops::all_reduce"
         calls = opaque_op_info(op).eager_calls
         with torch.no_grad():

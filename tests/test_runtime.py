@@ -28,7 +28,7 @@ def run_pair(model, runner, tokens, cache, start=0):
 @pytest.mark.parametrize("layers", [2, 4])
 def test_example_equals_eager_for_every_token_count(layers):
     model, (ids, positions, cache) = example(tokens=5, num_layers=layers)
-    config = piecewise.CaptureConfig(max_tokens=24)
+    config = piecewise.CaptureConfig(max_tokens=24, graph_mode="piecewise")  # the piecewise mechanics
     runner = piecewise.compile(model, config)
     with torch.no_grad():
         for tokens in range(1, config.max_tokens + 4):
@@ -54,7 +54,7 @@ def test_released_runner_keeps_computing_the_same_outputs():
     with torch.no_grad():
         reference_cache = cache.clone()
         expected = model(ids, positions, reference_cache)
-        with piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8)) as runner:
+        with piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, graph_mode="piecewise")) as runner:
             runner(ids, positions, cache)
         out = runner(ids, positions, cache)  # after release: the pieces, padded, without graphs (same positions)
     torch.testing.assert_close(out, expected)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 # Light modules (no torch import) are bound now: a later import of the submodule piecewise.context would
 # otherwise shadow the function of the same name.
 from .config import CaptureConfig
-from .context import ForwardContext, context
+from .context import ForwardContext, context, redirect_padding
 
 _EXPORTS = {
     "Blocker": "piecewise.diagnostics",
@@ -30,7 +30,7 @@ _EXPORTS = {
     "compile": "piecewise.runtime",
 }
 
-__all__ = sorted([*_EXPORTS, "CaptureConfig", "ForwardContext", "context"])
+__all__ = sorted([*_EXPORTS, "CaptureConfig", "ForwardContext", "context", "redirect_padding"])
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:

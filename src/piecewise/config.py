@@ -9,6 +9,8 @@ SIZE_SCHEDULES = ("vllm", "sglang")
 COMPILERS = ("eager", "inductor")
 FRONTENDS = ("auto", "dynamo", "breakable")
 VERIFY = ("off", "first_last", "all")
+GRAPH_MODES = ("piecewise", "full", "full_and_piecewise")
+DEFAULT_MAX_DECODE_BATCH = 256
 DEFAULT_MAX_TOKENS = 512
 
 
@@ -86,6 +88,17 @@ class CaptureConfig:
     """Return outputs that the next call cannot overwrite (one copy per output). False returns views of
     graph-owned memory, valid until the next call, as vLLM and SGLang do."""
 
+    graph_mode: str | None = None
+    """``"piecewise"``: graphs cut at every splitting op. ``"full"``: one graph of the whole forward per size, for
+    calls whose splitting ops are all capturable (``opaque_op(..., capturable=...)``); other calls run without
+    graphs. ``"full_and_piecewise"``: full graphs for the calls they serve up to ``max_decode_batch`` tokens,
+    piecewise graphs for the rest (vLLM's default). None: ``"full_and_piecewise"`` when every splitting op the
+    model calls is capturable for some call, else ``"piecewise"``."""
+
+    max_decode_batch: int | None = None
+    """Largest token count served by full graphs (sizes of the ladder up to it). None: the smaller of
+    ``max_tokens`` and 256. A decode step of B sequences has B tokens."""
+
     _sizes: list[int] = field(init=False, repr=False, compare=False)
     _top_given: bool = field(init=False, repr=False, compare=False, default=True)
 
@@ -107,6 +120,11 @@ class CaptureConfig:
             raise ValueError(f"CaptureConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
         if self.verify not in VERIFY:
             raise ValueError(f"CaptureConfig.verify must be one of {VERIFY}, got {self.verify!r}")
+        if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"CaptureConfig.graph_mode must be None or one of {GRAPH_MODES}, got {self.graph_mode!r}")
+        decode = self.max_decode_batch
+        if decode is not None and (isinstance(decode, bool) or not isinstance(decode, int) or decode < 1):
+            raise ValueError(f"CaptureConfig.max_decode_batch must be None or a positive int, got {decode!r}")
         if self.frontend not in FRONTENDS:
             raise ValueError(f"CaptureConfig.frontend must be one of {FRONTENDS}, got {self.frontend!r}")
         if self.frontend == "breakable" and self.compiler != "eager":

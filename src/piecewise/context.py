@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,11 @@ class ForwardContext:
     """True in the runs of a runner's first call that only warm up, trace and capture (their results are
     discarded; the call then runs once more for real). A splitting op that accumulates state (a counter, a
     running sum) skips the update when this is True, so the update happens once per call."""
+    token_mask: Any = None
+    """In a call served by a full graph (``CaptureConfig.graph_mode``): a device bool tensor [padded_tokens],
+    True for the real rows. Capturable splitting ops then run on the padded rows and must leave other rows'
+    state alone: ``redirect_padding`` does it for index-and-value writes. None otherwise (the op sees only the
+    real rows)."""
 
 
 _current: list[ForwardContext] = []
@@ -35,8 +41,9 @@ class forward_context:
 
     __slots__ = ("ctx",)
 
-    def __init__(self, num_tokens: int, padded_tokens: int, capturing: bool = False, rehearsal: bool = False):
-        self.ctx = ForwardContext(num_tokens, padded_tokens, capturing, rehearsal)
+    def __init__(self, num_tokens: int, padded_tokens: int, capturing: bool = False, rehearsal: bool = False,
+                 token_mask: Any = None):
+        self.ctx = ForwardContext(num_tokens, padded_tokens, capturing, rehearsal, token_mask)
 
     def __enter__(self) -> ForwardContext:
         _current.append(self.ctx)
@@ -44,3 +51,17 @@ class forward_context:
 
     def __exit__(self, *exc_info) -> None:
         _current.pop()
+
+
+def redirect_padding(*tensors: Any) -> tuple:
+    """For a capturable splitting op in a full-graph call: each tensor (indices or values, tokens first) with its
+    pad rows replaced by its first row, so that the pad rows write exactly what the first (real) row writes, at
+    the same place: a write of ``values`` at ``indices`` then changes nothing the real rows do not. Outside a
+    full-graph call, the tensors as they are."""
+    ctx = context()
+    mask = ctx.token_mask if ctx is not None else None
+    if mask is None:
+        return tensors
+    import torch
+
+    return tuple(torch.where(mask.view(-1, *[1] * (t.dim() - 1)), t, t[:1]) for t in tensors)

@@ -68,3 +68,8 @@ class VerificationError(RuntimeError):
     def __init__(self, report: Any):
         self.report = report
         super().__init__(f"piecewise: the captured graphs differ from eager:\n{report}")
+
+
+class FullGraphRefused(RuntimeError):
+    """The forward cannot run inside one full graph (``CaptureConfig.graph_mode``): the runner turns full graphs
+    off for the model, says why, and runs every call piecewise."""

@@ -38,6 +38,18 @@ class OpaqueOpInfo:
     """How often the body ran (outside tracing: the body never runs while Dynamo traces)."""
     impl: Callable | None = None
     """The Python body; the runtime calls it directly between pieces, skipping dispatcher overhead."""
+    capturable: bool | Callable[[Any], bool] = False
+    """Whether the op may run inside a full CUDA graph for a call (see ``opaque_op``)."""
+
+    def captures(self, ctx: Any) -> bool:
+        """Whether the op accepts being captured whole for the call ``ctx`` (a ``ForwardContext``)."""
+        return bool(self.capturable(ctx)) if callable(self.capturable) else bool(self.capturable)
+
+
+def opaque_call_counts() -> dict[str, int]:
+    """How often each opaque op's body has run (``OpaqueOpInfo.eager_calls``), by name."""
+    with _lock:
+        return {name: info.eager_calls for name, info in _opaque_ops.items()}
 
 
 def splitting_op_names() -> frozenset[str]:
@@ -137,12 +149,13 @@ def _register(
     fake: Callable | None,
     mutates_args: Iterable[str] | str,
     split: bool,
+    capturable: bool | Callable[[Any], bool] = False,
 ) -> torch.library.CustomOpDef:
     if qualified in _opaque_ops:
         raise ValueError(
             f"an opaque op named {qualified!r} already exists; pick another name (name=...) or reuse that op"
         )
-    info = OpaqueOpInfo(name=qualified, split=split)
+    info = OpaqueOpInfo(name=qualified, split=split, capturable=capturable)
 
     def body(*args, **kwargs):
         info.eager_calls += 1  # only a counter: the runtime calls this between pieces on every step
@@ -184,18 +197,24 @@ def opaque_op(
     fake: Callable | None = None,
     mutates_args: Iterable[str] | str = (),
     split: bool = False,
+    capturable: bool | Callable[[Any], bool] = False,
 ) -> Callable[[Callable], torch.library.CustomOpDef]:
     """Decorator: make a type-annotated Python function an opaque ``torch.library`` op.
 
     ``name`` is ``"namespace::name"`` (a bare name goes to ``piecewise_ops``). ``fake`` computes output
     metadata from fake inputs (default: one tensor like the first tensor argument; ops returning nothing
     need none). ``mutates_args`` names the arguments written in place (one name, or several). ``split=True``
-    makes it a splitting op. Returns the callable op.
+    makes it a splitting op. ``capturable`` (a bool, or a function of the call's ``piecewise.context()``) says
+    that the splitting op may also run inside one CUDA graph of the whole forward (``CaptureConfig.graph_mode``):
+    it reads every per-call value from device tensors, picks its kernels from shapes only, and, given the padded
+    rows, leaves the state of other rows alone (``piecewise.redirect_padding`` makes the pad rows repeat the
+    first row's writes). Returns the callable op.
     """
     qualified = _check_name(name)
 
     def decorate(fn: Callable) -> torch.library.CustomOpDef:
-        return _register(qualified, fn, schema=None, fake=fake, mutates_args=mutates_args, split=split)
+        return _register(qualified, fn, schema=None, fake=fake, mutates_args=mutates_args, split=split,
+                         capturable=capturable)
 
     return decorate
 
@@ -279,6 +298,7 @@ def wrap_opaque(
     schema: str | None = None,
     mutates_args: Iterable[str] | str = (),
     split: bool = False,
+    capturable: bool | Callable[[Any], bool] = False,
 ) -> Callable:
     """Wrap a function you don't own (e.g. ``flashinfer.fp4_quantize``) as an opaque op, without touching it.
 
@@ -296,7 +316,8 @@ def wrap_opaque(
     holder: dict[str, Any] = {}
 
     def define(op_schema: str | None) -> torch.library.CustomOpDef:
-        op = _register(qualified, fn, schema=op_schema, fake=fake, mutates_args=mutates_args, split=split)
+        op = _register(qualified, fn, schema=op_schema, fake=fake, mutates_args=mutates_args, split=split,
+                       capturable=capturable)
         holder["op"] = op
         return op
 

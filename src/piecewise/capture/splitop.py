@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..context import context
+from ..errors import FullGraphRefused
 from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dim
 from ..opaque import op_name, opaque_op_info
 from .buffers import RowBuffer
@@ -90,6 +92,13 @@ class SplitOpRunner:
         state.splitting_op_calls += 1
         call = state.call
         if call.phase is Phase.DIRECT:
+            return self.call(*args)
+        if call.full:  # inside a full graph: on the padded rows (the op reads the token mask)
+            info = None if self.is_cut else opaque_op_info(self.op_name)
+            if info is None or not info.captures(context()):
+                raise FullGraphRefused(
+                    f"{'an in-place write into a static tensor' if self.is_cut else self.op_name} is cut out of the "
+                    f"pieces and cannot run inside a full graph")
             return self.call(*args)
         rows, size = call.num_tokens, call.size
         dims = self._dims(args, size) if self.by_shape else self.token_dims

@@ -31,6 +31,8 @@ class Call:
     """Token count the pieces run at: the capture size, or the real count for a direct call."""
     num_tokens: int
     """Real token count."""
+    full: bool = False
+    """A full-graph call: capturable splitting ops run on the padded rows, inside the graph of the forward."""
 
 
 IDLE = Call(Phase.DIRECT, 0, 0)

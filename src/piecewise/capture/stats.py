@@ -41,6 +41,15 @@ class Stats(MutableMapping):
     direct_calls: int = 0
     """Calls that skipped Dynamo's frame hook (Dynamo front-end)."""
     graph_breaks: int = 0
+    graph_mode: str = ""
+    """``"piecewise"``, ``"full"`` or ``"full_and_piecewise"`` (``CaptureConfig.graph_mode``, resolved)."""
+    graph_mode_reason: str = ""
+    full_sizes: list[int] = field(default_factory=list)
+    """Sizes served by full graphs (one graph of the whole forward each)."""
+    full_graphs: int = 0
+    full_calls: int = 0
+    """Calls served by the full-graph family (replayed, or padded without graphs on a CPU)."""
+    full_replays: int = 0
     verified_sizes: list[int] = field(default_factory=list)
     """Sizes ``CaptureConfig(verify=...)`` checked against eager at the first call."""
     verify_seconds: float = 0.0

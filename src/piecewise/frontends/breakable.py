@@ -24,11 +24,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..capture.buffers import InputStager, RowBuffer
 from ..capture.pieces import abandon_capture, end_capture
 from ..capture.state import CaptureState, Phase, probe_call
-from .breakable_steps import Recording, Step, narrow, signature, storage, token_outputs
+from .breakable_steps import Recording, Step, narrow, signature, storage, token_outputs, written as _written
 from ..capture.stats import Stats
 from ..config import CaptureConfig
 from ..context import context, forward_context
-from ..errors import CaptureFailed, ForwardRefused
+from ..errors import CaptureFailed, ForwardRefused, FullGraphRefused
 from ..graph.writes import ACCUMULATING_METHODS
 from ..opaque import opaque_op_info, resolve_splitting_ops
 from .user_frames import chain_text, user_chain
@@ -146,6 +146,7 @@ class _Interceptor(TorchDispatchMode):
     def __init__(self, frontend: BreakableFrontend, rows: int, size: int, recording: Recording | None):
         super().__init__()
         self.frontend, self.rows, self.size, self.recording = frontend, rows, size, recording
+        self.full = frontend.state.call.full
         self.graph: torch.cuda.CUDAGraph | None = None
         self.calls = 0
         self.where = "the start of the forward"
@@ -204,6 +205,8 @@ class _Interceptor(TorchDispatchMode):
         if kind is _PLAIN:
             return func(*args, **kwargs)
         if kind is _SPLIT:
+            if self.full:  # inside a full graph: on the padded rows (the op reads the token mask)
+                return self._inline(func, args, kwargs)
             return self._split(func, func._schema.name, args, kwargs, cut=False)
         if kind is _COPIES and self.graph is not None and _to_host(func, args, kwargs):
             self._refuse_sync(func)
@@ -230,11 +233,20 @@ class _Interceptor(TorchDispatchMode):
                 )
             # Cut out while padded (the pad rows would be written too) and whenever capturing: the graph of this
             # size serves later calls with fewer tokens.
-            if static and (self.rows != self.size or self.recording is not None) \
+            if static and (self.rows != self.size or self.recording is not None or self.full) \
                     and self._token_leaves(tree_flatten((args, kwargs))[0], True, func._schema.name):
+                if self.full:
+                    raise FullGraphRefused(f"`{func.overloadpacket.__name__}` at {self._line()} writes token rows "
+                                           f"into a static tensor outside a splitting op")
                 return self._split(func, func._schema.name, args, kwargs, cut=True)
         elif kind is _SYNCS and self.graph is not None:
             self._refuse_sync(func)
+        return func(*args, **kwargs)
+
+    def _inline(self, func, args: tuple, kwargs: dict) -> Any:
+        info = opaque_op_info(func._schema.name)
+        if info is None or not info.captures(context()):
+            raise FullGraphRefused(f"`{func._schema.name}` at {self._line()} cannot run inside a full graph")
         return func(*args, **kwargs)
 
     def _refuse_sync(self, func) -> None:
@@ -376,21 +388,3 @@ def _kind(func, splitting: frozenset[str]) -> str:
     return _SYNCS if name in _HOST_SYNC else _PLAIN
 
 
-_WRITTEN: dict[Any, list[tuple[int, str]]] = {}
-
-
-def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors ``func`` writes in place (its schema's mutable arguments)."""
-    positions = _WRITTEN.get(func)
-    if positions is None:
-        positions = _WRITTEN[func] = [
-            (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        ]
-    found = []
-    for index, name in positions:
-        value = args[index] if index < len(args) else kwargs.get(name)
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, torch.Tensor))
-    return found

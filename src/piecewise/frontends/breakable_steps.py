@@ -157,3 +157,23 @@ def token_outputs(func: Any, args: tuple, kwargs: dict, tokens: list[tuple[int, 
         found.append(moved == [0])
     cache[key] = found
     return found
+
+
+_WRITTEN: dict[Any, list[tuple[int, str]]] = {}
+
+
+def written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (its schema's mutable arguments)."""
+    positions = _WRITTEN.get(func)
+    if positions is None:
+        positions = _WRITTEN[func] = [
+            (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        ]
+    found = []
+    for index, name in positions:
+        value = args[index] if index < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found

@@ -36,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..context import redirect_padding
 from ..kernels.attention import attend, attend_over_cache
 from ..kernels.nvfp4 import quantize_linears
 from ..models.attention import attention as cached_attention
+from ..models.attention import within_kernel
 from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
 from ..parallel import reduce_partial
@@ -51,7 +53,7 @@ def _attention_fake(q, k, v, scaling, window=0, softcap=0.0):
     return q.new_empty(q.shape)
 
 
-@opaque_op("piecewise_hf::causal_attention", fake=_attention_fake, split=True)
+@opaque_op("piecewise_hf::causal_attention", fake=_attention_fake, split=True, capturable=True)
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int = 0,
                      softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of one sequence, token-major: q [T, Hq, D], k / v [T, Hkv, D] → [T, Hq, D];
@@ -70,7 +72,8 @@ def _slot_attention_fake(q, k, v, positions, slots, kv_cache, layer, scale, wind
     return q.new_empty(q.shape)
 
 
-@opaque_op("piecewise_hf::slot_attention", fake=_slot_attention_fake, mutates_args=("kv_cache",), split=True)
+@opaque_op("piecewise_hf::slot_attention", fake=_slot_attention_fake, mutates_args=("kv_cache",), split=True,
+           capturable=within_kernel)
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                    kv_cache: torch.Tensor, layer: int, scale: float, window: int = 0,
                    softcap: float = 0.0) -> torch.Tensor:
@@ -81,8 +84,9 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     On CUDA, calls of up to 512 tokens (decode steps, short prefills) run one Triton launch for all sequences
     (``kernels.attention.attend``); longer calls and CPU run one attention per sequence."""
     cache = kv_cache[layer]
-    cache[0][slots, positions] = k
-    cache[1][slots, positions] = v
+    at_slots, at, k_in, v_in = redirect_padding(slots, positions, k, v)  # full graph: pads repeat row 0's write
+    cache[0][at_slots, at] = k_in
+    cache[1][at_slots, at] = v_in
     return attend(q, cache[0], cache[1], positions, scale, slots, window, softcap)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import attend
+from ..context import redirect_padding
+from ..kernels.attention import KERNEL_TOKENS, attend
 from ..opaque import opaque_op
 
 
@@ -18,7 +19,13 @@ def attention_fake(q, k, v, positions, kv_cache, layer, scale=None, window=0, so
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-@opaque_op("piecewise_examples::attention", fake=attention_fake, mutates_args=("kv_cache",), split=True)
+def within_kernel(ctx) -> bool:
+    """Capturable inside a full graph: the Triton kernel's calls (launch from shapes, metadata on the device)."""
+    return ctx.padded_tokens <= KERNEL_TOKENS
+
+
+@opaque_op("piecewise_examples::attention", fake=attention_fake, mutates_args=("kv_cache",), split=True,
+           capturable=within_kernel)
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     scale: float | None = None, window: int = 0, softcap: float = 0.0,
@@ -26,6 +33,7 @@ def attention(
     """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [layers, 2, max_seq, Hkv, D] → [T, Hq·D]; ``scale`` defaults to
     1/√D; ``window`` (sliding window) and ``softcap`` as in ``kernels.attention.attend_over_cache``."""
     cache = kv_cache[layer]
-    cache[0].index_copy_(0, positions, k)
-    cache[1].index_copy_(0, positions, v)
+    at, k_in, v_in = redirect_padding(positions, k, v)  # in a full graph: pad rows repeat the first row's write
+    cache[0].index_copy_(0, at, k_in)
+    cache[1].index_copy_(0, at, v_in)
     return attend(q, cache[0], cache[1], positions, scale, window=window, softcap=softcap).reshape(q.shape[0], -1)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..context import redirect_padding
 from ..opaque import opaque_op
 from .attention import attention_fake
 from .llama import LlamaConfig, TinyLlama
 
 
-@opaque_op("piecewise_examples::decode_attention", fake=attention_fake, mutates_args=("kv_cache",), split=True)
+@opaque_op("piecewise_examples::decode_attention", fake=attention_fake, mutates_args=("kv_cache",), split=True,
+           capturable=True)
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, layer: int
 ) -> torch.Tensor:
@@ -18,10 +20,13 @@ def decode_attention(
     ``positions[b]``, attending to the whole cache row (the context is full: S tokens)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
+    if batch > kv_cache.shape[2]:
+        raise ValueError(f"decode_attention: {batch} tokens but the KV cache holds {kv_cache.shape[2]} sequences; in a "
+                         f"full graph the padded batch must fit too: CaptureConfig(max_decode_batch=...) at most that")
     cache = kv_cache[layer, :, :batch]  # [2, B, Hkv, S, D]
-    rows = torch.arange(batch, device=q.device)
-    cache[0][rows, :, positions] = k
-    cache[1][rows, :, positions] = v
+    rows, at, k_in, v_in = redirect_padding(torch.arange(batch, device=q.device), positions, k, v)
+    cache[0][rows, :, at] = k_in
+    cache[1][rows, :, at] = v_in
     # GQA without expanding K/V: the group's query heads become the query length of one KV head.
     query = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(query, cache[0], cache[1])

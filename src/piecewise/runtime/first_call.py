@@ -22,6 +22,8 @@ from ..errors import BlockerKind, ForwardRefused, VerificationError
 from ..frontends.breakable import BreakableFrontend
 from ..frontends.dynamo import DynamoFrontend
 from ..frontends.dynamo_trace import DynamoBlocked
+from ..opaque import opaque_call_counts, resolve_splitting_ops
+from .full_graphs import check_full_padding
 from .verify import verify
 
 if TYPE_CHECKING:
@@ -60,8 +62,10 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     runner.state.static_storages.update(t.untyped_storage().data_ptr() for t in [*model_tensors, *static])
     started = time.perf_counter()
     tokens = arguments[next(iter(runner.arguments.dynamic))].shape[0]
+    before = opaque_call_counts()
     with forward_context(tokens, tokens, rehearsal=True):
         runner.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
+    called = {name for name, count in opaque_call_counts().items() if count != before.get(name, 0)}
     runner.stats.prewarm_seconds = time.perf_counter() - started
     devices = {t.device.type for t in model_tensors} | {arguments[n].device.type for n in runner.arguments.dynamic}
     use_graphs = runner.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()
@@ -90,6 +94,14 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
             reasons.append(_reset_after(runner, exc))
     if choice == "auto" and not runner.config.strict:
         runner.stats.frontend_reason = "; ".join(reasons) or "Dynamo traced the forward as one graph with no blocker"
+    device = arguments[next(iter(runner.arguments.dynamic))].device
+    runner.full.resolve(called, resolve_splitting_ops(runner.config.splitting_ops), device)
+    if runner.full.sizes:
+        check_full_padding(runner.full, arguments, tokens)
+    if runner.full.sizes and use_graphs:
+        with capture_session(runner.state, len(runner.full.sizes), new_pool=False):
+            runner.full.capture(arguments, tokens)
+        runner.stats.pool_bytes = _compat.graph_pool_bytes(runner.state.pool) or 0
     if not use_graphs:
         reason = "disabled by CaptureConfig(cuda_graphs=False)" if not runner.config.cuda_graphs else "no CUDA"
         logger.info("piecewise: pieces run without CUDA graphs (%s)", reason)

@@ -22,6 +22,7 @@ from ..context import forward_context
 from ..opaque import resolve_splitting_ops
 from . import first_call
 from .arguments import Arguments
+from .full_graphs import FullGraphs
 from .verify import VerifyReport, verify
 from .watch import ParameterWatch
 
@@ -55,6 +56,7 @@ class PiecewiseModel:
         self.stats = Stats(capture_sizes=self.ladder.sizes, size_notes=self.ladder.notes)
         self.stager = InputStager(config.max_tokens, self.state.stable_ptrs)
         self.watch = ParameterWatch(model)
+        self.full = FullGraphs(self)
         self.frontend: Any = None
         """The front-end in use (``DynamoFrontend`` or ``BreakableFrontend``), chosen at the first call."""
         self.last_arguments: dict[str, Any] | None = None
@@ -81,8 +83,11 @@ class PiecewiseModel:
         with self.watch, torch.inference_mode():
             if not self._prepared:
                 self._prepare(arguments)
-            size = self.ladder.bucket(tokens)
-            if size is None:
+            full = self.full.bucket(tokens) if self.full.sizes else None
+            size = full if full is not None else self.ladder.bucket(tokens)
+            if full is not None:
+                output = self.full.run(arguments, tokens, full)
+            elif size is None or self.full.mode == "full":
                 output = self._run_direct(arguments, tokens)
                 size = tokens
             else:
@@ -121,7 +126,8 @@ class PiecewiseModel:
         state.splitting_op_calls = 0
         state.token_outputs.clear()
         try:
-            with forward_context(call.num_tokens, call.size, capturing=call.phase is Phase.CAPTURE, rehearsal=rehearsal):
+            with forward_context(call.num_tokens, call.size, capturing=call.phase is Phase.CAPTURE, rehearsal=rehearsal,
+                                 token_mask=self.full.masks.get(call.size) if call.full else None):
                 output = self.frontend.run(arguments)
         finally:
             state.call = IDLE
@@ -192,6 +198,7 @@ class PiecewiseModel:
             torch.cuda.synchronize()
         if self.frontend is not None:
             self.frontend.release()
+        self.full.release()
         state.pool = state.workspace_graph = None
         state.graphs_enabled = False
         self.stats.update(cuda_graphs=False, graphs=0, captured_sizes=[], pool_bytes=0)

@@ -1,0 +1,175 @@
+"""Full graphs (``CaptureConfig.graph_mode``): one CUDA graph of the whole forward per size, attention inside, for
+the calls whose splitting ops are all capturable; every other call runs piecewise (or, with ``"full"``, without
+graphs).
+
+Both front-ends run the forward for a full graph the same way: padded to the size, with the capturable splitting
+ops called on the padded rows (``piecewise.context().token_mask`` tells them which rows are real) instead of
+between pieces; the runtime captures that whole run as one graph into the pool the piecewise graphs use.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import _compat
+from ..capture.buffers import map_tensors
+from ..capture.pieces import abandon_capture, end_capture
+from ..capture.state import Call, Phase
+from ..context import ForwardContext, forward_context
+from ..errors import FullGraphRefused
+from ..opaque import opaque_op_info
+from .verify import rel_error, tolerance
+
+if TYPE_CHECKING:
+    from .model import PiecewiseModel
+
+logger = logging.getLogger(__name__)
+
+
+class FullGraphs:
+    """The full-graph family of one runner: which calls it serves, its graphs, the token mask they read."""
+
+    def __init__(self, runner: "PiecewiseModel"):
+        self.runner = runner
+        self.mode = "piecewise"
+        self.sizes: list[int] = []
+        self.ops: list = []  # OpaqueOpInfo of every splitting op the model calls
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Any] = {}
+        self.mask: torch.Tensor | None = None
+        self.masks: dict[int, torch.Tensor] = {}
+        self.positions: torch.Tensor | None = None
+
+    # --- first call ------------------------------------------------------------------------------------------
+
+    def resolve(self, called: set[str], splitting: frozenset[str], device: torch.device) -> None:
+        """Choose the graph mode from the splitting ops the warm-up called (``called``, opaque ops) and the
+        configured ones (``splitting``: a configured op that is not an opaque op is never capturable)."""
+        config, stats = self.runner.config, self.runner.stats
+        infos = [opaque_op_info(name) for name in sorted(called & splitting)]
+        unknown = sorted(name for name in splitting if opaque_op_info(name) is None)
+        blocking = [info.name for info in infos if info.capturable is False] + unknown
+        capturable = [info for info in infos if info.capturable is not False]
+        wanted = config.graph_mode
+        if wanted is None:
+            wanted = "full_and_piecewise" if capturable and not blocking else "piecewise"
+            stats.graph_mode_reason = (
+                "every splitting op the model calls is capturable" if wanted != "piecewise" else
+                f"splitting ops that cannot run inside a graph: {', '.join(blocking)}" if blocking else
+                "no capturable splitting op")
+        elif wanted != "piecewise" and blocking:
+            raise ValueError(
+                f"CaptureConfig(graph_mode={wanted!r}) needs every splitting op to be capturable, but "
+                f"{', '.join(blocking)} {'is' if len(blocking) == 1 else 'are'} not: declare "
+                f"opaque_op(..., capturable=...) where the op runs correctly inside a CUDA graph, or use "
+                f"graph_mode='piecewise'")
+        self.mode = stats.graph_mode = wanted
+        if wanted == "piecewise":
+            return
+        self.ops = capturable
+        top = config.max_tokens if wanted == "full" else (config.max_decode_batch or min(config.max_tokens, 256))
+        self.sizes = [size for size in self.runner.ladder.sizes if size <= top]
+        if self.sizes and self.sizes[-1] < top <= config.max_tokens:
+            self.sizes.append(min(s for s in self.runner.ladder.sizes if s >= top))
+        stats.full_sizes = list(self.sizes)
+        self.mask = torch.zeros(config.max_tokens, dtype=torch.bool, device=device)
+        self.positions = torch.arange(config.max_tokens, device=device)
+        self.masks = {size: self.mask[:size] for size in self.sizes}
+
+    def refuse(self, reason: str) -> None:
+        """Turn the family off (every call runs piecewise), with one warning saying why."""
+        warnings.warn(f"piecewise: full graphs are off for this model ({reason}); calls run piecewise",
+                      stacklevel=4)
+        self.mode = self.runner.stats.graph_mode = "piecewise"
+        self.runner.stats.graph_mode_reason = reason
+        self.runner.stats.full_sizes = []
+        self.sizes, self.graphs, self.outputs = [], {}, {}
+
+    # --- per call --------------------------------------------------------------------------------------------
+
+    def bucket(self, tokens: int) -> int | None:
+        """The full-graph size serving a call of ``tokens``, or None (piecewise, or without graphs)."""
+        if not self.sizes or tokens > self.sizes[-1]:
+            return None
+        size = next(s for s in self.sizes if s >= tokens)
+        ctx = ForwardContext(tokens, size, token_mask=self.masks[size])
+        return size if all(info.captures(ctx) for info in self.ops) else None
+
+    def token_mask(self, call: Call) -> torch.Tensor | None:
+        return self.masks.get(call.size) if call.full else None
+
+    def run(self, arguments: dict[str, Any], tokens: int, size: int, rehearsal: bool = False) -> Any:
+        runner = self.runner
+        staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), tokens, size)
+        torch.lt(self.positions[:size], tokens, out=self.masks[size])
+        runner.stats.full_calls += 1
+        graph = self.graphs.get(size)
+        if graph is not None:
+            runner.state.token_outputs.clear()
+            graph.replay()
+            runner.stats.full_replays += 1
+            return self.outputs[size]
+        return runner.run_call(Call(Phase.PADDED, size, tokens, full=True), staged, rehearsal=rehearsal)
+
+    # --- capture ---------------------------------------------------------------------------------------------
+
+    def capture(self, arguments: dict[str, Any], tokens: int) -> None:
+        """Warm up and capture every full size, largest first, into the runner's pool (inside its capture
+        session). A forward that cannot be captured whole turns the family off, with the reason."""
+        runner, state = self.runner, self.runner.state
+        given = runner.arguments.given_tokens(arguments)
+        for size in reversed(self.sizes):
+            rows = min(tokens, size)
+            arguments = {**arguments, **{name: arguments[name][:rows] for name in given}}
+            graph = None
+            try:
+                self.run(arguments, rows, size, rehearsal=True)  # warm-up at this size, outside the graph
+                runner.stats.full_calls -= 1
+                staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), rows, size)
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=state.pool)
+                output = runner.run_call(Call(Phase.PADDED, size, rows, full=True), staged, rehearsal=True)
+            except Exception as exc:  # noqa: BLE001 - whatever stops a whole-forward capture turns the family off
+                if graph is not None:
+                    abandon_capture(graph)
+                self.refuse(f"the forward cannot be captured whole at {size} tokens: {exc}")
+                return
+            end_capture(graph)
+            graph.replay()
+            self.graphs[size] = graph
+            self.outputs[size] = map_tensors(output, _compat.non_owning_alias)
+        runner.stats.full_graphs = len(self.graphs)
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+        self.runner.stats.full_graphs = 0
+
+
+def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int) -> None:
+    """The padded rows of a full-graph call must not change the real ones: compare a call padded to the next full
+    size with the unpadded call (the model's splitting ops run on the padded rows with the token mask)."""
+    runner = full.runner
+    size = next((s for s in full.sizes if s > tokens and full.bucket(s) == s), None)
+    if size is None:
+        return
+    calls = runner.stats.full_calls
+    try:
+        padded = full.run(arguments, tokens, size, rehearsal=True)
+    except FullGraphRefused as exc:
+        full.refuse(str(exc))
+        return
+    finally:
+        runner.stats.full_calls = calls
+    padded = map_tensors(padded, lambda t: t[:tokens].clone() if t.dim() and t.shape[0] == size else t.clone())
+    with forward_context(tokens, tokens, rehearsal=True):
+        exact = runner.model(**arguments)  # the model's own forward on the real rows
+    for got, want in zip(torch.utils._pytree.tree_leaves(padded), torch.utils._pytree.tree_leaves(exact)):
+        if isinstance(want, torch.Tensor) and rel_error(got, want) > tolerance(want.dtype):
+            full.refuse(f"the padded rows of a {size}-token full graph change the real rows of a {tokens}-token "
+                        f"call: a capturable splitting op does not honour piecewise.context().token_mask")
+            return

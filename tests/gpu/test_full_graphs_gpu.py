@@ -1,0 +1,63 @@
+"""Full graphs on CUDA: one graph of the whole forward (attention inside) per size, replayed for decode batches
+1..max+1 and prefills between them, bf16 outputs and KV caches equal to eager; the pad rows write nothing."""
+
+import pytest
+import torch
+
+import piecewise
+from piecewise.models import example
+from piecewise.models.decode import DecodeLlama
+from piecewise.models.llama import LlamaConfig
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = LlamaConfig(vocab_size=256, hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,
+                     intermediate_size=512, max_seq_len=128)
+
+
+def rel_error(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("frontend", ["breakable", "dynamo"])
+def test_decode_batches_replay_full_graphs_and_prefills_between_them_run_piecewise(frontend, compiler):
+    if frontend == "breakable" and compiler == "inductor":
+        pytest.skip("the breakable front-end compiles nothing")
+    torch.manual_seed(0)
+    model = DecodeLlama(CONFIG).to("cuda", torch.bfloat16).eval()
+    cache = torch.randn(CONFIG.num_layers, 2, 16, CONFIG.num_kv_heads, CONFIG.max_seq_len, CONFIG.head_dim,
+                        device="cuda", dtype=torch.bfloat16)
+    reference = cache.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, max_decode_batch=16,
+                                                              frontend=frontend, compiler=compiler))
+    with torch.no_grad():
+        for batch in (5, *range(1, 17)):
+            ids = torch.randint(0, 256, (batch,), device="cuda")
+            positions = torch.randint(0, CONFIG.max_seq_len, (batch,), device="cuda")
+            replays = runner.stats["full_replays"]
+            out = runner(ids, positions, cache)
+            ref = model(ids, positions, reference)
+            assert rel_error(out, ref) <= 1e-2 and rel_error(cache, reference) <= 1e-2, batch
+            assert runner.stats["full_replays"] == replays + 1, "a decode batch replays one full graph"
+    runner.stats.expect(graph_mode="full_and_piecewise", cuda_graphs=True, full_sizes=[1, 2, 4, 8, 16])
+    assert runner.stats["full_graphs"] == 5
+
+
+@pytest.mark.parametrize("frontend", ["breakable", "dynamo"])
+def test_llama_mixed_prefill_and_decode_on_both_graph_families_equals_eager(frontend):
+    model, (ids, positions, cache) = example(tokens=5, device="cuda", dtype=torch.bfloat16, num_layers=3)
+    cache.normal_()
+    reference = cache.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=64, max_decode_batch=8, frontend=frontend))
+    start = 0
+    with torch.no_grad():
+        for tokens in (5, 1, 1, 3, 30, 1, 8, 9, 64, 65, 2):
+            ids = torch.randint(0, model.config.vocab_size, (tokens,), device="cuda")
+            positions = (torch.arange(start, start + tokens, device="cuda")) % model.config.max_seq_len
+            start += tokens
+            out = runner(ids, positions, cache)
+            ref = model(ids, positions, reference)
+            assert rel_error(out, ref) <= 1e-2 and rel_error(cache, reference) <= 1e-2, tokens
+    stats = runner.stats
+    assert stats["full_replays"] > 0 and stats["replays"] > 0 and stats["full_graphs"] == 4

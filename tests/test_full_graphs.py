@@ -1,0 +1,183 @@
+"""Full graphs (``CaptureConfig.graph_mode``): which calls take the full-graph family, padded rows that never
+write the cache, equality with eager over mixed decode and prefill calls, and the refusals. On a CPU the family
+runs padded without graphs, with the splitting ops on the padded rows, exactly as inside a graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piecewise
+from piecewise.models import example
+from piecewise.models.decode import DecodeLlama
+from piecewise.models.llama import LlamaConfig
+
+FRONTENDS = ("dynamo", "breakable")
+SMALL = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                    intermediate_size=64, max_seq_len=32)
+
+
+def llama():
+    torch.manual_seed(0)
+    model, (ids, positions, cache) = example(tokens=5, num_layers=2)
+    cache.normal_()  # a cache full of other data: a pad row's write would show
+    return model, ids, positions, cache
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_calls_up_to_max_decode_batch_take_the_full_graphs_and_the_rest_run_piecewise(frontend):
+    model, ids, positions, cache = llama()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, max_decode_batch=4, frontend=frontend))
+    with torch.no_grad():
+        runner(ids, positions, cache)
+        runner.stats.expect(graph_mode="full_and_piecewise", full_sizes=[1, 2, 4], frontend=frontend)
+        for tokens, family in ((1, "full"), (3, "full"), (4, "full"), (5, "piecewise"), (16, "piecewise"),
+                               (17, "direct")):
+            before = dict(runner.stats)
+            runner(torch.randint(0, 64, (tokens,)), torch.arange(tokens) + 2, cache)
+            took = {"full": runner.stats["full_calls"] - before["full_calls"],
+                    "piecewise": runner.stats["padded_calls"] - before["padded_calls"],
+                    "direct": runner.stats["fallback_calls"] - before["fallback_calls"]}
+            assert took == {name: int(name == family) for name in took}, (tokens, took)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_padded_rows_of_a_full_graph_never_write_the_cache(frontend):
+    model, ids, positions, cache = llama()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend))
+    with torch.no_grad():
+        runner(ids, positions, cache)
+        before = cache.clone()
+        written = torch.tensor([9, 10, 11])  # 3 tokens padded to 4: one pad row, at position 0 (zero-filled)
+        runner(torch.randint(0, 64, (3,)), written, cache)
+    assert runner.stats["full_calls"] >= 1
+    changed = (cache != before).flatten(3).any(-1)  # [layers, 2, positions]
+    assert changed[:, :, written].all(), "the real rows' keys and values are written"
+    others = torch.ones(cache.shape[2], dtype=torch.bool)
+    others[written] = False
+    assert not changed[:, :, others].any(), "a pad row wrote the cache at a position no real token has"
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_mixed_decode_and_prefill_calls_equal_eager(frontend):
+    model, ids, positions, cache = llama()
+    reference = cache.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, max_decode_batch=8, frontend=frontend))
+    generator = torch.Generator().manual_seed(1)
+    start = 0
+    with torch.no_grad():
+        for tokens in (5, 1, 1, 7, 1, 3, 12, 1, 17, 2, 8, 9):
+            ids = torch.randint(0, 64, (tokens,), generator=generator)
+            positions = torch.arange(start, start + tokens) % 48
+            start += tokens
+            out = runner(ids, positions, cache)
+            ref = model(ids, positions, reference)
+            assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), tokens
+            assert torch.allclose(cache, reference, atol=1e-5, rtol=1e-5), tokens
+    assert runner.stats["full_calls"] > 0 and runner.stats["padded_calls"] > 0
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_decode_batches_of_every_size_equal_eager_and_leave_other_sequences_alone(frontend):
+    torch.manual_seed(0)
+    model = DecodeLlama(SMALL).eval()
+    cache = torch.randn(SMALL.num_layers, 2, 8, SMALL.num_kv_heads, SMALL.max_seq_len, SMALL.head_dim)
+    reference = cache.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad():
+        for batch in (5, *range(1, 9)):
+            ids = torch.randint(0, 64, (batch,))
+            positions = torch.randint(0, SMALL.max_seq_len, (batch,))
+            out = runner(ids, positions, cache)
+            ref = model(ids, positions, reference)
+            assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), batch
+            assert torch.equal(cache, reference) or torch.allclose(cache, reference, atol=1e-6), batch
+    runner.stats.expect(graph_mode="full_and_piecewise", full_sizes=[1, 2, 4, 8])
+
+
+def test_a_model_with_a_splitting_op_that_cannot_be_captured_stays_piecewise():
+    from piecewise.models.glm_moe import example as glm_example
+
+    model, (ids, positions, cache) = glm_example(tokens=5, num_layers=2)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        runner(ids, positions, cache)
+    runner.stats.expect(graph_mode="piecewise", full_sizes=[], full_calls=0)
+    assert "piecewise_examples::moe_experts" in runner.stats["graph_mode_reason"]
+    with pytest.raises(ValueError, match=r"graph_mode='full'.*moe_experts.*capturable"):
+        piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, graph_mode="full"))(ids, positions, cache)
+
+
+def test_graph_mode_piecewise_and_bad_values():
+    model, ids, positions, cache = llama()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, graph_mode="piecewise"))
+    with torch.no_grad():
+        runner(ids, positions, cache)
+        runner(ids[:1], positions[:1], cache)
+    runner.stats.expect(graph_mode="piecewise", full_calls=0)
+    with pytest.raises(ValueError, match="graph_mode must be None or one of"):
+        piecewise.CaptureConfig(graph_mode="whole")
+    with pytest.raises(ValueError, match="max_decode_batch must be None or a positive int"):
+        piecewise.CaptureConfig(max_decode_batch=0)
+
+
+def test_graph_mode_full_runs_the_calls_the_full_graphs_do_not_serve_without_graphs():
+    model, ids, positions, cache = llama()
+    reference = cache.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, graph_mode="full", frontend="breakable"))
+    with torch.no_grad():
+        for tokens in (5, 8, 9, 2):
+            ids = torch.randint(0, 64, (tokens,))
+            out = runner(ids, torch.arange(tokens) + 1, cache)
+            assert torch.allclose(out, model(ids, torch.arange(tokens) + 1, reference), atol=1e-5)
+    runner.stats.expect(graph_mode="full", full_sizes=[1, 2, 4, 8], full_calls=3, fallback_calls=1, padded_calls=0)
+
+
+@piecewise.opaque_op("full_graph_tests::gated", split=True, capturable=lambda ctx: ctx.padded_tokens <= 2)
+def gated(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class Gated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(gated(self.linear(x)))
+
+
+def test_an_op_that_accepts_only_some_calls_sends_the_others_piecewise():
+    runner = piecewise.compile(Gated().eval(), piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        runner(torch.randn(5, 8))
+        assert runner.stats["graph_mode"] == "full_and_piecewise"
+        calls = runner.stats["full_calls"]
+        runner(torch.randn(2, 8))
+        assert runner.stats["full_calls"] == calls + 1
+        runner(torch.randn(3, 8))  # pads to 4: the op refuses, piecewise serves it
+        assert runner.stats["full_calls"] == calls + 1
+
+
+@piecewise.opaque_op("full_graph_tests::careless_mix", split=True, capturable=True)
+def careless_mix(x: torch.Tensor) -> torch.Tensor:
+    return x + x.sum(0)  # ignores the token mask: the pad rows reach every real row
+
+
+class Careless(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(careless_mix(self.linear(x)))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_capturable_op_whose_pad_rows_change_the_real_rows_turns_the_full_graphs_off(frontend):
+    runner = piecewise.compile(Careless().eval(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"full graphs are off.*token_mask"):
+        out = runner(torch.randn(3, 8))
+    runner.stats.expect(graph_mode="piecewise", full_calls=0)
+    assert out.shape == (3, 8)
+    assert runner.verify().ok
