@@ -39,7 +39,14 @@ def rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
         return float("inf")
     if not expected.is_floating_point():
         return float((got != expected).double().mean()) if expected.numel() else 0.0
-    return float((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30))
+    # In chunks: a KV cache upcast whole to float64 can take more memory than the device has.
+    flat_got, flat_expected = got.reshape(-1), expected.reshape(-1)
+    diff = norm = 0.0
+    for start in range(0, flat_expected.numel(), 1 << 24):
+        a, b = flat_got[start:start + (1 << 24)].double(), flat_expected[start:start + (1 << 24)].double()
+        diff += float((a - b).square().sum())
+        norm += float(b.square().sum())
+    return (diff ** 0.5) / max(norm ** 0.5, 1e-30)
 
 
 @dataclass
