@@ -46,6 +46,15 @@ class OpaqueOpInfo:
         return bool(self.capturable(ctx)) if callable(self.capturable) else bool(self.capturable)
 
 
+def captured_whole(name: str) -> bool:
+    """Whether the splitting op ``name`` runs inside the full graph of the call in progress (its
+    ``capturable`` for ``piecewise.context()``); an op piecewise did not make never does."""
+    from .context import context
+
+    info = opaque_op_info(name)
+    return info is not None and info.captures(context())
+
+
 def opaque_call_counts() -> dict[str, int]:
     """How often each opaque op's body has run (``OpaqueOpInfo.eager_calls``), by name."""
     with _lock:

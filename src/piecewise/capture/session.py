@@ -49,12 +49,10 @@ def own_blas_workspaces(pool: object) -> torch.cuda.CUDAGraph:
 
 
 @contextlib.contextmanager
-def capture_session(state: CaptureState, sizes: int, new_pool: bool = True) -> Iterator[Callable[[], None]]:
-    """Capture on a side stream into one new pool (``state.pool``; ``new_pool=False``: the one there, for the full
-    graphs beside the piecewise ones), with the garbage collector frozen: a collected CUDA tensor would free memory
-    mid-capture. Yields a callable that marks one size done."""
-    if new_pool or state.pool is None:
-        state.pool = torch.cuda.graph_pool_handle()
+def capture_session(state: CaptureState, sizes: int) -> Iterator[Callable[[], None]]:
+    """Capture on a side stream into one new pool (``state.pool``), with the garbage collector frozen: a
+    collected CUDA tensor would free memory mid-capture. Yields a callable that marks one size done."""
+    state.pool = torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     gc.collect()

@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 
-from ..context import context
 from ..errors import FullGraphRefused
 from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dim
-from ..opaque import op_name, opaque_op_info
+from ..opaque import captured_whole, op_name, opaque_op_info
 from .buffers import RowBuffer
 from .state import CaptureState, Phase, probe_call
 
@@ -94,8 +93,7 @@ class SplitOpRunner:
         if call.phase is Phase.DIRECT:
             return self.call(*args)
         if call.full:  # inside a full graph: on the padded rows (the op reads the token mask)
-            info = None if self.is_cut else opaque_op_info(self.op_name)
-            if info is None or not info.captures(context()):
+            if self.is_cut or not captured_whole(self.op_name):
                 raise FullGraphRefused(
                     f"{'an in-place write into a static tensor' if self.is_cut else self.op_name} is cut out of the "
                     f"pieces and cannot run inside a full graph")

@@ -30,7 +30,7 @@ from ..config import CaptureConfig
 from ..context import context, forward_context
 from ..errors import CaptureFailed, ForwardRefused, FullGraphRefused
 from ..graph.writes import ACCUMULATING_METHODS
-from ..opaque import opaque_op_info, resolve_splitting_ops
+from ..opaque import captured_whole, opaque_op_info, resolve_splitting_ops
 from .user_frames import chain_text, user_chain
 
 logger = logging.getLogger(__name__)
@@ -244,8 +244,7 @@ class _Interceptor(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _inline(self, func, args: tuple, kwargs: dict) -> Any:
-        info = opaque_op_info(func._schema.name)
-        if info is None or not info.captures(context()):
+        if not captured_whole(func._schema.name):
             raise FullGraphRefused(f"`{func._schema.name}` at {self._line()} cannot run inside a full graph")
         return func(*args, **kwargs)
 

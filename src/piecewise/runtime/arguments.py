@@ -45,6 +45,10 @@ class Arguments:
         """The token arguments this call passes (late ones may be left out)."""
         return [name for name in self.dynamic if arguments.get(name) is not None]
 
+    def leading(self, arguments: dict[str, Any], rows: int) -> dict[str, Any]:
+        """``arguments`` with each token argument cut to its first ``rows`` rows."""
+        return {**arguments, **{name: arguments[name][:rows] for name in self.given_tokens(arguments)}}
+
     def _check_dynamic(self, dynamic: dict[str, int] | None) -> dict[str, int] | None:
         if dynamic is None:
             return None  # decided at the first call: see _default_dynamic

@@ -70,6 +70,8 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     devices = {t.device.type for t in model_tensors} | {arguments[n].device.type for n in runner.arguments.dynamic}
     use_graphs = runner.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()
     runner.state.graphs_enabled = runner.stats.cuda_graphs = use_graphs
+    device = arguments[next(iter(runner.arguments.dynamic))].device
+    runner.full.resolve(called, resolve_splitting_ops(runner.config.splitting_ops), device)
     choice = runner.config.frontend
     # "auto": the first that works of Dynamo as one graph, breakable, Dynamo with graph breaks.
     if choice == "auto" and not runner.config.strict:
@@ -85,6 +87,8 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
         runner.stats.frontend = runner.frontend.name
         try:
             check_padding(runner, arguments)
+            if runner.full.sizes:
+                check_full_padding(runner.full, arguments, tokens)
             if use_graphs:
                 capture_all(runner, arguments)
             break
@@ -94,14 +98,6 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
             reasons.append(_reset_after(runner, exc))
     if choice == "auto" and not runner.config.strict:
         runner.stats.frontend_reason = "; ".join(reasons) or "Dynamo traced the forward as one graph with no blocker"
-    device = arguments[next(iter(runner.arguments.dynamic))].device
-    runner.full.resolve(called, resolve_splitting_ops(runner.config.splitting_ops), device)
-    if runner.full.sizes:
-        check_full_padding(runner.full, arguments, tokens)
-    if runner.full.sizes and use_graphs:
-        with capture_session(runner.state, len(runner.full.sizes), new_pool=False):
-            runner.full.capture(arguments, tokens)
-        runner.stats.pool_bytes = _compat.graph_pool_bytes(runner.state.pool) or 0
     if not use_graphs:
         reason = "disabled by CaptureConfig(cuda_graphs=False)" if not runner.config.cuda_graphs else "no CUDA"
         logger.info("piecewise: pieces run without CUDA graphs (%s)", reason)
@@ -150,6 +146,7 @@ def _reset_after(runner: "PiecewiseModel", exc: Exception) -> str:
     if runner.state.pool is not None:
         torch.cuda.synchronize()
     runner.frontend.release()
+    runner.full.release()
     runner.state.pool = runner.state.workspace_graph = None
     runner.state.capture_done = False
     runner.state.captured_this_size.clear()
@@ -176,7 +173,7 @@ def check_padding(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     rng = _RandomState()  # both compared runs draw the same random numbers: only the padding differs
     for fill in ("trace", "zeros", "copies"):  # tracing may draw random numbers itself: a run before
         rng.restore()
-        staged = runner.stager.stage(_leading(arguments, given, rows), given, rows, size)
+        staged = runner.stager.stage(runner.arguments.leading(arguments, rows), given, rows, size)
         if fill == "copies":
             runner.stager.fill_padding_with_copies(arguments, given, rows, size)
         output = runner.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
@@ -215,22 +212,19 @@ def _meet_other_ranks() -> None:
         dist.barrier()
 
 
-def _leading(arguments: dict[str, Any], names: list[str], rows: int) -> dict[str, Any]:
-    return {**arguments, **{name: arguments[name][:rows] for name in names}}
-
-
 def capture_all(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     """Capture every size, largest first, into one pool: a padded run, then the capture, per size."""
     state = runner.state
     tokens = arguments[next(iter(runner.arguments.dynamic))].shape[0]
     given = runner.arguments.given_tokens(arguments)
     started = time.perf_counter()
-    sizes = runner.ladder.sizes
-    with capture_session(state, len(sizes)) as advance:
+    sizes = [] if runner.full.mode == "full" else runner.ladder.sizes  # "full": no piecewise graph serves a call
+    with capture_session(state, len(sizes) + len(runner.full.sizes)) as advance:
+        runner.full.capture(arguments, tokens, advance)
         for size in reversed(sizes):
             _meet_other_ranks()
             rows = min(tokens, size)
-            staged = runner.stager.stage(_leading(arguments, given, rows), given, rows, size)
+            staged = runner.stager.stage(runner.arguments.leading(arguments, rows), given, rows, size)
             for phase in (Phase.PADDED, Phase.CAPTURE):
                 runner.run_call(Call(phase, size, rows), staged, rehearsal=True)
             for captured in state.captured_this_size:

@@ -9,8 +9,9 @@ between pieces; the runtime captures that whole run as one graph into the pool t
 
 from __future__ import annotations
 
-import logging
+import bisect
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,8 +27,6 @@ from .verify import rel_error, tolerance
 
 if TYPE_CHECKING:
     from .model import PiecewiseModel
-
-logger = logging.getLogger(__name__)
 
 
 class FullGraphs:
@@ -73,8 +72,6 @@ class FullGraphs:
         self.ops = capturable
         top = config.max_tokens if wanted == "full" else (config.max_decode_batch or min(config.max_tokens, 256))
         self.sizes = [size for size in self.runner.ladder.sizes if size <= top]
-        if self.sizes and self.sizes[-1] < top <= config.max_tokens:
-            self.sizes.append(min(s for s in self.runner.ladder.sizes if s >= top))
         stats.full_sizes = list(self.sizes)
         self.mask = torch.zeros(config.max_tokens, dtype=torch.bool, device=device)
         self.positions = torch.arange(config.max_tokens, device=device)
@@ -95,18 +92,14 @@ class FullGraphs:
         """The full-graph size serving a call of ``tokens``, or None (piecewise, or without graphs)."""
         if not self.sizes or tokens > self.sizes[-1]:
             return None
-        size = next(s for s in self.sizes if s >= tokens)
+        size = self.sizes[bisect.bisect_left(self.sizes, tokens)]
         ctx = ForwardContext(tokens, size, token_mask=self.masks[size])
         return size if all(info.captures(ctx) for info in self.ops) else None
-
-    def token_mask(self, call: Call) -> torch.Tensor | None:
-        return self.masks.get(call.size) if call.full else None
 
     def run(self, arguments: dict[str, Any], tokens: int, size: int, rehearsal: bool = False) -> Any:
         runner = self.runner
         staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), tokens, size)
         torch.lt(self.positions[:size], tokens, out=self.masks[size])
-        runner.stats.full_calls += 1
         graph = self.graphs.get(size)
         if graph is not None:
             runner.state.token_outputs.clear()
@@ -117,18 +110,16 @@ class FullGraphs:
 
     # --- capture ---------------------------------------------------------------------------------------------
 
-    def capture(self, arguments: dict[str, Any], tokens: int) -> None:
+    def capture(self, arguments: dict[str, Any], tokens: int, advance: Callable[[], None]) -> None:
         """Warm up and capture every full size, largest first, into the runner's pool (inside its capture
         session). A forward that cannot be captured whole turns the family off, with the reason."""
         runner, state = self.runner, self.runner.state
-        given = runner.arguments.given_tokens(arguments)
         for size in reversed(self.sizes):
             rows = min(tokens, size)
-            arguments = {**arguments, **{name: arguments[name][:rows] for name in given}}
+            arguments = runner.arguments.leading(arguments, rows)
             graph = None
             try:
                 self.run(arguments, rows, size, rehearsal=True)  # warm-up at this size, outside the graph
-                runner.stats.full_calls -= 1
                 staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), rows, size)
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=state.pool)
@@ -142,6 +133,7 @@ class FullGraphs:
             graph.replay()
             self.graphs[size] = graph
             self.outputs[size] = map_tensors(output, _compat.non_owning_alias)
+            advance()
         runner.stats.full_graphs = len(self.graphs)
 
     def release(self) -> None:
@@ -157,14 +149,11 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
     size = next((s for s in full.sizes if s > tokens and full.bucket(s) == s), None)
     if size is None:
         return
-    calls = runner.stats.full_calls
     try:
         padded = full.run(arguments, tokens, size, rehearsal=True)
     except FullGraphRefused as exc:
         full.refuse(str(exc))
         return
-    finally:
-        runner.stats.full_calls = calls
     padded = map_tensors(padded, lambda t: t[:tokens].clone() if t.dim() and t.shape[0] == size else t.clone())
     with forward_context(tokens, tokens, rehearsal=True):
         exact = runner.model(**arguments)  # the model's own forward on the real rows

@@ -86,6 +86,7 @@ class PiecewiseModel:
             full = self.full.bucket(tokens) if self.full.sizes else None
             size = full if full is not None else self.ladder.bucket(tokens)
             if full is not None:
+                self.stats.full_calls += 1
                 output = self.full.run(arguments, tokens, full)
             elif size is None or self.full.mode == "full":
                 output = self._run_direct(arguments, tokens)
