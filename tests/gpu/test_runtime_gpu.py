@@ -23,7 +23,7 @@ def make(tokens=5, **config):
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_bf16_matches_eager_for_every_token_count(compiler):
     model, ids, positions, cache = make(num_layers=3)
-    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=32, compiler=compiler))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=32, compiler=compiler, graph_mode="piecewise"))
     runner(ids, positions, cache)
     stats = runner.stats
     assert stats["cuda_graphs"] is True

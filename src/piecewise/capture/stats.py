@@ -32,7 +32,7 @@ class Stats(MutableMapping):
     pool_bytes: int = 0
     cuda_graphs: bool = False
     replays: int = 0
-    """Graph replays (one per piece and size replayed)."""
+    """Graph replays: one per piece and size replayed, one per full graph replayed (``full_replays``)."""
     fallback_calls: int = 0
     """Calls run without padding or graphs: above the top of the graphs, or over ``max_padding_factor``."""
     padded_calls: int = 0

@@ -105,6 +105,7 @@ class FullGraphs:
             runner.state.token_outputs.clear()
             graph.replay()
             runner.stats.full_replays += 1
+            runner.stats.replays += 1
             return self.outputs[size]
         return runner.run_call(Call(Phase.PADDED, size, tokens, full=True), staged, rehearsal=rehearsal)
 
