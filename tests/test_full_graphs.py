@@ -181,3 +181,19 @@ def test_a_capturable_op_whose_pad_rows_change_the_real_rows_turns_the_full_grap
     runner.stats.expect(graph_mode="piecewise", full_calls=0)
     assert out.shape == (3, 8)
     assert runner.verify().ok
+
+
+def test_an_op_refusing_the_padded_batch_turns_full_graphs_off_with_its_message():
+    """A cache of 4 sequences under full graphs up to 8 tokens: the first call's padded check hits the op's own
+    error, and the runner goes on piecewise, equal to eager."""
+    torch.manual_seed(0)
+    model = DecodeLlama(SMALL).eval()
+    cache = torch.randn(SMALL.num_layers, 2, 4, SMALL.num_kv_heads, SMALL.max_seq_len, SMALL.head_dim)
+    reference = cache.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    ids, positions = torch.randint(0, 64, (4,)), torch.tensor([3, 9, 1, 30])
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"full graphs are off.*KV cache holds 4 sequences"):
+        out = runner(ids, positions, cache)
+    with torch.no_grad():
+        assert torch.allclose(out, model(ids, positions, reference), atol=1e-5)
+    runner.stats.expect(graph_mode="piecewise", full_sizes=[])

@@ -314,6 +314,7 @@ class _Interceptor(TorchDispatchMode):
                                              name in self.frontend.splitting))
         self.calls += 1
         self.where = where
+        del result  # copied into the buffers: freed now, not inside the next capture (where a free is deferred)
         self._begin()
         return staged
 

@@ -21,7 +21,6 @@ from ..capture.buffers import map_tensors
 from ..capture.pieces import abandon_capture, end_capture
 from ..capture.state import Call, Phase
 from ..context import ForwardContext, forward_context
-from ..errors import FullGraphRefused
 from ..opaque import opaque_op_info
 from .verify import rel_error, tolerance
 
@@ -152,8 +151,8 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
         return
     try:
         padded = full.run(arguments, tokens, size, rehearsal=True)
-    except FullGraphRefused as exc:
-        full.refuse(str(exc))
+    except Exception as exc:  # noqa: BLE001 - an op refusing the padded rows (FullGraphRefused, its own check)
+        full.refuse(f"the forward padded from {tokens} to {size} tokens for a full graph fails: {exc}")
         return
     padded = map_tensors(padded, lambda t: t[:tokens].clone() if t.dim() and t.shape[0] == size else t.clone())
     with forward_context(tokens, tokens, rehearsal=True):
