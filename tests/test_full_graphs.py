@@ -58,20 +58,24 @@ def test_padded_rows_of_a_full_graph_never_write_the_cache(frontend):
     assert not changed[:, :, others].any(), "a pad row wrote the cache at a position no real token has"
 
 
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
 @pytest.mark.parametrize("frontend", FRONTENDS)
-def test_mixed_decode_and_prefill_calls_equal_eager(frontend):
+def test_mixed_decode_and_prefill_calls_equal_eager(frontend, mode):
     model, ids, positions, cache = llama()
     reference = cache.clone()
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, max_decode_batch=8, frontend=frontend))
     generator = torch.Generator().manual_seed(1)
     start = 0
-    with torch.no_grad():
+    grad = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with grad():
         for tokens in (5, 1, 1, 7, 1, 3, 12, 1, 17, 2, 8, 9):
             ids = torch.randint(0, 64, (tokens,), generator=generator)
             positions = torch.arange(start, start + tokens) % 48
             start += tokens
             out = runner(ids, positions, cache)
-            ref = model(ids, positions, reference)
+            with torch.no_grad():
+                ref = model(ids, positions, reference)
+            assert not out.requires_grad
             assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), tokens
             assert torch.allclose(cache, reference, atol=1e-5, rtol=1e-5), tokens
     assert runner.stats["full_calls"] > 0 and runner.stats["padded_calls"] > 0
