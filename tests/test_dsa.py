@@ -116,6 +116,28 @@ def test_three_sequences_through_slots_and_no_cache_equal_transformers(name):
     torch.testing.assert_close(whole, expected[2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_an_enabled_model_called_as_transformers_runs_it_keeps_transformers_selection(name):
+    """After ``enable``, with the model's own attention put back: a batch of several sequences, and decode with
+    transformers' own cache, give transformers' logits (the indexer runs as written for calls that are not
+    piecewise's: one sequence, no transformers cache)."""
+    model = build(name)
+    ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(5))
+    own = model.config._attn_implementation
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        cache = transformers.DynamicCache(config=model.config)
+        model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
+        expected_step = model(input_ids=ids[:, 10:], past_key_values=cache, use_cache=True).logits
+        enable(model)
+        model.config._attn_implementation = own
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, expected, rtol=0, atol=0)
+        cache = transformers.DynamicCache(config=model.config)
+        model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
+        step = model(input_ids=ids[:, 10:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(step, expected_step, rtol=0, atol=0)
+
+
 def test_a_cache_made_after_the_first_call_names_the_fix():
     model = build("GlmMoeDsa")
     token_model = TokenModel(enable(model))

@@ -116,6 +116,19 @@ def test_batches_are_refused_with_the_remedy():
         model(input_ids=torch.zeros(2, 4, dtype=torch.long), use_cache=False)
 
 
+def test_transformers_own_cache_is_refused_with_the_remedy_not_read_wrong():
+    """The piecewise attention reads TokenModel's cache only: a call with transformers' DynamicCache (its keys
+    cover more positions than the queries) is refused, never attended without the causal offset."""
+    model = glm_moe()
+    ids = torch.randint(0, 128, (1, 9))
+    enable(model)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)  # the prompt: keys = queries
+        with pytest.raises(ValueError, match="9 keys for 1 queries.*transformers' own cache.*TokenModel"):
+            model(input_ids=ids[:, 8:], past_key_values=cache, use_cache=True)
+
+
 def test_prefill_then_decode_with_a_kv_cache_equals_the_whole_sequence():
     """Prompt of 6 tokens, then 5 decode steps of one token, all through piecewise with the cache: each step's
     logits equal transformers' forward over the whole sequence at that position."""

@@ -88,7 +88,15 @@ def dsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
 def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None,
                     past_key_values=None):
-    """The model's indexer with its top-k selection in ``dsa_select`` (its projections and rotary as written)."""
+    """The model's indexer with its top-k selection in ``dsa_select`` (its projections and rotary as written).
+
+    A call that is not piecewise's (a batch of several sequences, or transformers' own cache: the model called
+    directly, as transformers runs it) gets the model's own indexer, so the selection is transformers' there."""
+    if hidden_states.shape[0] != 1 or cache is not None or past_key_values is not None:
+        given = {name: value for name, value in (("cache", cache), ("past_key_values", past_key_values))
+                 if value is not None}  # transformers 5.24 names it cache, 5.17 past_key_values
+        return type(self).forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
+                                  **given)
     modeling = sys.modules[type(self).__module__]
     rotate = getattr(modeling, "apply_rotary_pos_emb_interleave") if "GlmMoeDsa" in type(self).__name__ else \
         getattr(modeling, "apply_rotary_pos_emb")

@@ -122,6 +122,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     call = {**getattr(module, "_piecewise_call", {}), **kwargs}  # TokenModel's call arguments (enable()'s dict)
     kv_cache = call.get("piecewise_kv_cache")
+    if kv_cache is None and k.shape[0] != q.shape[0]:  # keys from transformers' own cache: not aligned by position
+        raise ValueError(
+            f"{type(module).__name__} got {k.shape[0]} keys for {q.shape[0]} queries: the model was called with "
+            f"transformers' own cache (past_key_values), which the piecewise attention does not read. Call it "
+            f"through piecewise.integrations.transformers.TokenModel with a cache from make_kv_cache"
+        )
     if kv_cache is not None and tuple(kv_cache.shape[-2:]) != tuple(k.shape[1:]):
         raise ValueError(
             f"{type(module).__name__} (layer {module.layer_idx}) has {k.shape[1]} key/value heads of width "
