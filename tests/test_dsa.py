@@ -88,8 +88,17 @@ def test_prefill_then_decode_equals_transformers_and_the_indexer_picks_the_same_
     assert selections(model, steps) == theirs, "the indexer's top-k differs from transformers'"
 
 
+@pytest.mark.parametrize("chunk", [None, 2], ids=["whole", "chunks-of-2"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_three_sequences_through_slots_and_no_cache_equal_transformers(name):
+def test_three_sequences_through_slots_and_no_cache_equal_transformers(name, chunk, monkeypatch):
+    """``chunk``: both DSA ops split their tokens into runs of 2 (what bounds a long prefill's memory)."""
+    from piecewise.integrations import dsa
+
+    if chunk:
+        by_budget = dsa._chunks
+        runs = []
+        monkeypatch.setattr(dsa, "_chunks", lambda tokens, per_token: runs.append(
+            by_budget(tokens, per_token, chunk * per_token)) or runs[-1])
     model = build(name, seed=2)
     generator = torch.Generator().manual_seed(3)
     sequences = [torch.randint(0, 256, (n,), generator=generator) for n in (7, 5, 9)]
@@ -114,6 +123,7 @@ def test_three_sequences_through_slots_and_no_cache_equal_transformers(name):
     for logits, reference in zip(got, expected):
         torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole, expected[2], rtol=1e-5, atol=1e-5)
+    assert not chunk or max(len(r) for r in runs) == 5  # the 9-token call ran in 5 runs
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))

@@ -44,17 +44,26 @@ def dsa_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, position
         cache = index_cache if slots is not None else index_cache.unsqueeze(0)  # [sequences, max_seq, D]
         rows = slots if slots is not None else torch.zeros_like(positions)
         cache[rows, positions] = k.to(cache.dtype)
-        keys = cache[rows].float()  # [T, max_seq, D]
         key_positions = torch.arange(cache.shape[1], device=q.device)
     else:
-        keys = k.float().unsqueeze(0).expand(q.shape[0], -1, -1)
         key_positions = positions
-    scores = F.relu(torch.einsum("thd,tjd->thj", q.float(), keys)) * scale
-    index = torch.einsum("th,thj->tj", weights.float(), scores)
-    index = index.masked_fill(key_positions[None, :] > positions[:, None], float("-inf"))
-    if index.shape[1] < topk:  # fewer keys than picks (no cache): the rest point past them, masked
-        index = F.pad(index, (0, topk - index.shape[1]), value=float("-inf"))
-    return index.topk(topk, dim=-1).indices
+    picks = []
+    for start, stop in _chunks(q.shape[0], key_positions.shape[0] * max(q.shape[1:])):  # bounded memory, long calls
+        keys = cache[rows[start:stop]] if index_cache is not None else k.unsqueeze(0).expand(stop - start, -1, -1)
+        scores = F.relu(torch.einsum("thd,tjd->thj", q[start:stop].float(), keys.float())) * scale
+        index = torch.einsum("th,thj->tj", weights[start:stop].float(), scores)
+        index = index.masked_fill(key_positions[None, :] > positions[start:stop, None], float("-inf"))
+        if index.shape[1] < topk:  # fewer keys than picks (no cache): the rest point past them, masked
+            index = F.pad(index, (0, topk - index.shape[1]), value=float("-inf"))
+        picks.append(index.topk(topk, dim=-1).indices)
+    return torch.cat(picks) if len(picks) > 1 else picks[0]
+
+
+def _chunks(tokens: int, per_token: int, budget: int = 1 << 27) -> list[tuple[int, int]]:
+    """Token ranges of at most ``budget`` elements of ``per_token`` each (at least one token): a long prefill's
+    gathered keys stay within a few hundred MB (GLM-5: 2048 picks of 64 heads × 256 per token)."""
+    step = max(1, budget // max(per_token, 1))
+    return [(start, min(start + step, tokens)) for start in range(0, tokens, step)]
 
 
 def _attention_fake(q, k, v, positions, slots, kv_cache, layer, scale, indices):
@@ -74,16 +83,22 @@ def dsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         cache[0][rows, positions] = k
         cache[1][rows, positions] = v
         picked = indices.clamp(max=cache.shape[2] - 1)
-        keys, values = cache[0][rows[:, None], picked], cache[1][rows[:, None], picked]  # [T, K, H, W]
         key_positions = indices
     else:
         picked = indices.clamp(max=k.shape[0] - 1)
-        keys, values = k[picked], v[picked]
         key_positions = torch.where(indices < k.shape[0], positions[picked], positions.new_tensor(2**62))
-    scores = torch.einsum("thw,tkhw->thk", q.float(), keys.float()) * scale
-    scores = scores.masked_fill((key_positions > positions[:, None])[:, None, :], float("-inf"))
-    weights = scores.softmax(-1)
-    return torch.einsum("thk,tkhw->thw", weights, values.float()).to(q.dtype)
+    out = []
+    for start, stop in _chunks(q.shape[0], indices.shape[1] * q.shape[1] * q.shape[2]):  # bounded memory
+        if kv_cache is not None:
+            chunk_rows, chunk_picked = rows[start:stop, None], picked[start:stop]
+            keys, values = cache[0][chunk_rows, chunk_picked], cache[1][chunk_rows, chunk_picked]  # [t, K, H, W]
+        else:
+            keys, values = k[picked[start:stop]], v[picked[start:stop]]
+        scores = torch.einsum("thw,tkhw->thk", q[start:stop], keys).float() * scale
+        hidden = (key_positions[start:stop] > positions[start:stop, None])[:, None, :]
+        weights = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        out.append(torch.einsum("thk,tkhw->thw", weights.to(values.dtype), values))
+    return (torch.cat(out) if len(out) > 1 else out[0]).to(q.dtype)
 
 
 def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None,
