@@ -44,6 +44,9 @@ MODELS = {"glm45air": ("Glm4Moe", AIR, TINY, "GLM-4.5-Air layer shapes"),
           "glm5": ("GlmMoeDsa", GLM5, GLM5_TINY, "GLM-5 layer shapes, DeepSeek sparse attention")}
 
 
+PREFILL_CHUNK = 256  # prompt tokens per transformers call when filling its cache
+
+
 def build(config_values: dict, layers: int, device: str, dtype: torch.dtype, architecture: str = "Glm4Moe"):
     import transformers
 
@@ -139,8 +142,10 @@ def main() -> int:
         model = build(config_values, args.layers, device, dtype, architecture)
         as_built = (model.config._attn_implementation, model.config._experts_implementation)
 
-        def last_logits(m):
-            return {b: m(input_ids=ids[:b], use_cache=False, logits_to_keep=1).logits[:, -1] for b in batches}
+        def last_logits(m):  # one sequence at a time: a batch of long prompts would not fit (GLM-5's indexer)
+            rows = torch.cat([m(input_ids=ids[s : s + 1], use_cache=False, logits_to_keep=1).logits[:, -1]
+                              for s in range(widest)])
+            return {b: rows[:b] for b in batches}
 
         expected = last_logits(model)
         reference_error: dict[int, float] = {}  # the NVFP4 model against the bf16 one
@@ -148,7 +153,9 @@ def main() -> int:
 
         for b in batches:  # transformers eager, its own cache, b sequences of equal length
             cache = DynamicCache(config=model.config)
-            model(input_ids=ids[:b, :prompt_len], past_key_values=cache, use_cache=True)
+            for start in range(0, prompt_len, PREFILL_CHUNK):  # the prompts in chunks: bounded memory
+                model(input_ids=ids[:b, start : min(start + PREFILL_CHUNK, prompt_len)], past_key_values=cache,
+                      use_cache=True)
 
             def hf_step(b=b, cache=cache):
                 out = model(input_ids=ids[:b, prompt_len:], past_key_values=cache, use_cache=True).logits
@@ -190,6 +197,9 @@ def main() -> int:
                 results.setdefault(name, {})[b] = timed(step, sync, rounds, iters)
             capture[name] = runner.stats["capture_seconds"]
             frontends[name] = runner.stats["frontend"]
+            del runner, token_model, kv_cache, step  # this variant's graphs and cache, before the next one's
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
     meta = {
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
