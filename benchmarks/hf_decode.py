@@ -61,6 +61,13 @@ def build(config_values: dict, layers: int, device: str, dtype: torch.dtype, arc
     return model
 
 
+START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.perf_counter() - START:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def timed(step, sync, rounds: int, iters: int) -> float:
     for _ in range(3):
         step()
@@ -107,6 +114,39 @@ VARIANTS = (
 )
 
 
+def report(args, architecture, shapes, dtype, prompt_len, batches, results, errors, capture, frontends,
+           reference_error, final=False) -> None:
+    """hf_decode.md / .json of the rows measured so far (after each variant: a run cut short keeps them)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    meta = {
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "command": "PYTHONPATH=src python benchmarks/hf_decode.py " + " ".join(sys.argv[1:]),
+        "model": f"{architecture}ForCausalLM, {args.layers} layers ({'tiny config' if args.tiny else shapes}), "
+                 f"random weights, {dtype}, {prompt_len} tokens of context per sequence",
+    }
+    lines = ["# Decode step of a transformers GLM-MoE model", "", *(f"- {k}: {v}" for k, v in meta.items()), "",
+             "ms per step (B sequences, one token each); in brackets, the rel. error of the logits against "
+             "transformers' forward without a cache on the same weights (NVFP4 rows: the dequantized NVFP4 weights)", "",
+             "| variant | " + " | ".join(f"B={b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
+    lines += [f"| {name} | " + " | ".join(f"{row[b]:.3f} ({errors[name][b]:.1e})" for b in batches) + " |"
+              for name, row in results.items()]
+    lines += ["", *(f"- capture seconds, {name}: {seconds:.1f} ({frontends[name]} front-end)"
+                    for name, seconds in capture.items())]
+    if reference_error:
+        lines += ["- NVFP4 weights against the bf16 model (transformers' forward, both): rel. error "
+                  + ", ".join(f"{reference_error[b]:.1e} at B={b}" for b in batches)]
+    lines += [""]
+    if final:
+        print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        payload = {"meta": meta, "ms": results, "rel_error": errors, "capture_seconds": capture,
+                   "nvfp4_vs_bf16_rel_error": reference_error}
+        (args.out / "hf_decode.json").write_text(json.dumps(payload, indent=2))
+        (args.out / "hf_decode.md").write_text("\n".join(lines))
+
+
 def parse_arguments(description: str) -> argparse.Namespace:
     """The options hf_decode.py and hf_tp_decode.py share."""
     parser = argparse.ArgumentParser(description=description)
@@ -116,6 +156,8 @@ def parse_arguments(description: str) -> argparse.Namespace:
     parser.add_argument("--batch", default="1,8,32", help="sequences decoding together, comma-separated")
     parser.add_argument("--tiny", action="store_true", help="a small config (checks the script on any machine)")
     parser.add_argument("--model", default="glm45air", choices=sorted(MODELS), help="layer shapes (default glm45air)")
+    parser.add_argument("--shared-prompt", action="store_true",
+                        help="all sequences share one prompt (piecewise prefills it once and copies the cache rows)")
     parser.add_argument("--frontend", default="auto", choices=["auto", "dynamo", "breakable"], help="piecewise front-end")
     return parser.parse_args()
 
@@ -132,6 +174,8 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",")]
     widest = max(batches)
     ids = torch.randint(0, config_values["vocab_size"], (widest, prompt_len + 1), device=device)
+    if args.shared_prompt:  # one prompt, each sequence its own next token
+        ids[:, :prompt_len] = ids[0, :prompt_len]
     positions = torch.full((widest,), prompt_len, device=device)
 
     results: dict[str, dict[int, float]] = {}
@@ -140,6 +184,7 @@ def main() -> int:
     frontends: dict[str, str] = {}
     with torch.no_grad():
         model = build(config_values, args.layers, device, dtype, architecture)
+        progress("model built")
         as_built = (model.config._attn_implementation, model.config._experts_implementation)
 
         def last_logits(m):  # one sequence at a time: a batch of long prompts would not fit (GLM-5's indexer)
@@ -148,6 +193,7 @@ def main() -> int:
             return {b: rows[:b] for b in batches}
 
         expected = last_logits(model)
+        progress("transformers' logits without a cache")
         reference_error: dict[int, float] = {}  # the NVFP4 model against the bf16 one
         from transformers import DynamicCache
 
@@ -164,6 +210,7 @@ def main() -> int:
 
             errors.setdefault("transformers eager", {})[b] = rel_error(hf_step()[:, -1], expected[b])
             results.setdefault("transformers eager", {})[b] = timed(hf_step, sync, rounds, iters)
+            progress(f"transformers eager, B={b}")
             del cache
 
         for name, split_experts, nvfp4 in VARIANTS:
@@ -184,9 +231,15 @@ def main() -> int:
             kv_cache = token_model.make_kv_cache(max_seq_len=prompt_len + 1, sequences=widest)
             # decode sizes only: prompts above max_tokens run the compiled pieces without graphs
             runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=max(batches), frontend=args.frontend))
-            for slot in range(widest):  # prefill each sequence into its slot
+            for slot in range(1 if args.shared_prompt else widest):  # prefill each sequence into its slot
                 runner(ids[slot, :prompt_len], torch.arange(prompt_len, device=device), kv_cache,
                        torch.full((prompt_len,), slot, device=device))
+            if args.shared_prompt:  # the other slots: slot 0's cache rows (the indexer key caches too)
+                kv_cache[:, :, 1:] = kv_cache[:, :, :1]
+                for buffer_name, index_cache in token_model.named_buffers():
+                    if buffer_name.endswith("piecewise_index_cache"):
+                        index_cache[1:] = index_cache[:1]
+            progress(f"{name}: prefilled, {runner.stats['capture_seconds']:.1f} s of capture")
             for b in batches:
                 slots = torch.arange(b, device=device)
 
@@ -197,36 +250,15 @@ def main() -> int:
                 results.setdefault(name, {})[b] = timed(step, sync, rounds, iters)
             capture[name] = runner.stats["capture_seconds"]
             frontends[name] = runner.stats["frontend"]
+            progress(f"{name}: {results[name]}")
+            report(args, architecture, shapes, dtype, prompt_len, batches, results, errors, capture, frontends,
+                   reference_error)
             del runner, token_model, kv_cache, step  # this variant's graphs and cache, before the next one's
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-    meta = {
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "command": "PYTHONPATH=src python benchmarks/hf_decode.py " + " ".join(sys.argv[1:]),
-        "model": f"{architecture}ForCausalLM, {args.layers} layers ({'tiny config' if args.tiny else shapes}), "
-                 f"random weights, {dtype}, {prompt_len} tokens of context per sequence",
-    }
-    lines = ["# Decode step of a transformers GLM-MoE model", "", *(f"- {k}: {v}" for k, v in meta.items()), "",
-             "ms per step (B sequences, one token each); in brackets, the rel. error of the logits against "
-             "transformers' forward without a cache on the same weights (NVFP4 rows: the dequantized NVFP4 weights)", "",
-             "| variant | " + " | ".join(f"B={b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
-    lines += [f"| {name} | " + " | ".join(f"{row[b]:.3f} ({errors[name][b]:.1e})" for b in batches) + " |"
-              for name, row in results.items()]
-    lines += ["", *(f"- capture seconds, {name}: {seconds:.1f} ({frontends[name]} front-end)"
-                    for name, seconds in capture.items())]
-    if reference_error:
-        lines += ["- NVFP4 weights against the bf16 model (transformers' forward, both): rel. error "
-                  + ", ".join(f"{reference_error[b]:.1e} at B={b}" for b in batches)]
-    lines += [""]
-    print("\n".join(lines))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        payload = {"meta": meta, "ms": results, "rel_error": errors, "capture_seconds": capture,
-                   "nvfp4_vs_bf16_rel_error": reference_error}
-        (args.out / "hf_decode.json").write_text(json.dumps(payload, indent=2))
-        (args.out / "hf_decode.md").write_text("\n".join(lines))
+    report(args, architecture, shapes, dtype, prompt_len, batches, results, errors, capture, frontends,
+           reference_error, final=True)
     return 0
 
 
