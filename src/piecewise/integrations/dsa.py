@@ -94,10 +94,10 @@ def dsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
             keys, values = cache[0][chunk_rows, chunk_picked], cache[1][chunk_rows, chunk_picked]  # [t, K, H, W]
         else:
             keys, values = k[picked[start:stop]], v[picked[start:stop]]
-        scores = torch.einsum("thw,tkhw->thk", q[start:stop], keys).float() * scale
-        hidden = (key_positions[start:stop] > positions[start:stop, None])[:, None, :]
-        weights = scores.masked_fill(hidden, float("-inf")).softmax(-1)
-        out.append(torch.einsum("thk,tkhw->thw", weights.to(values.dtype), values))
+        visible = (key_positions[start:stop] <= positions[start:stop, None])[:, None, None, :]  # [t, 1, 1, K]
+        out.append(F.scaled_dot_product_attention(  # per token: one query row per head over its K picks
+            q[start:stop, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible,
+            scale=scale)[:, :, 0])
     return (torch.cat(out) if len(out) > 1 else out[0]).to(q.dtype)
 
 
