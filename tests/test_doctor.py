@@ -134,6 +134,18 @@ def test_state_update_names_the_state_and_a_cache_write_is_no_blocker() -> None:
     assert doctor(CacheWriter(), torch.randn(3, 8), torch.arange(3), torch.zeros(2, 16, 8)).blockers == []
 
 
+def test_python_state_changed_every_call_is_a_dynamo_blocker_and_breakable_is_recommended() -> None:
+    from piecewise.models import example
+
+    model, (ids, positions, cache) = example(tokens=5, num_layers=2)
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(1))  # the line the chain names
+    report = doctor(model, ids, positions, cache)
+    assert [b.kind for b in report.blockers] == ["state_guard"]
+    assert "seen.append(1)" in report.blockers[0].message and "frontend='breakable'" in report.blockers[0].fix
+    assert report.frontends == {"dynamo": False, "breakable": True} and report.recommended[0] == "breakable"
+
+
 @pytest.mark.parametrize("how, line", [("softmax", "return h.softmax(0)"), ("last", "return h[-1]")])
 def test_doctor_runs_the_first_call_and_reports_token_mixing(how: str, line: str) -> None:
     from fixtures import state_models

@@ -123,7 +123,7 @@ def test_three_sequences_through_slots_and_no_cache_equal_transformers(name, chu
     for logits, reference in zip(got, expected):
         torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole, expected[2], rtol=1e-5, atol=1e-5)
-    assert not chunk or max(len(r) for r in runs) == 5  # the 9-token call ran in 5 runs
+    assert not chunk or max(len(r) for r in runs) >= 5  # the 9-token call (padded or not) ran in 5 runs or more
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
@@ -146,6 +146,45 @@ def test_an_enabled_model_called_as_transformers_runs_it_keeps_transformers_sele
         model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
         step = model(input_ids=ids[:, 10:], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(step, expected_step, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("frontend", ["auto", "breakable"])
+def test_full_graph_calls_write_both_caches_at_the_real_rows_only(frontend):
+    """Decode of 3 sequences padded to a 4-token full graph, beside a fourth sequence, on caches full of noise:
+    the KV cache and the indexer key caches change exactly at the real tokens' (slot, position) entries, to what
+    the eager calls write (a pad row writing at its own slot and position would show)."""
+    model = build("GlmMoeDsa", seed=4)
+    token_model = TokenModel(enable(model))
+    generator = torch.Generator().manual_seed(6)
+    prompts = torch.randint(0, 256, (4, 6), generator=generator)
+    steps = torch.randint(0, 256, (3, 3), generator=generator)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    written = torch.zeros(4, 16, dtype=torch.bool)
+    written[:, :6] = True
+    written[:3, 6:9] = True
+    caches = {}
+    for key, call in (("eager", token_model), ("piecewise", runner)):
+        torch.manual_seed(7)
+        cache = token_model.make_kv_cache(max_seq_len=16, sequences=4).normal_()
+        index = [b for n, b in token_model.named_buffers() if n.endswith("index_cache")]
+        for buffer in index:
+            buffer.normal_()
+        before = [cache.clone()] + [buffer.clone() for buffer in index]
+        with torch.no_grad():
+            for slot in range(4):
+                call(prompts[slot], torch.arange(6), cache, torch.full((6,), slot))
+            for step in range(3):  # sequences 0-2 decode; 3 stays
+                call(steps[:, step], torch.full((3,), 6 + step), cache, torch.arange(3))
+        after = [cache.clone()] + [buffer.clone() for buffer in index]
+        changed = [(a != b).flatten(4 if i == 0 else 2).any(-1) for i, (a, b) in enumerate(zip(after, before))]
+        assert (changed[0] == written).all(), f"{key}: the KV cache changed where no real token is"
+        for rows in changed[1:]:
+            assert (rows == written).all(), f"{key}: an indexer key cache changed where no real token is"
+        caches[key] = after
+    assert runner.stats["full_calls"] == 7 and 4 in runner.stats["full_sizes"]
+    assert len(caches["eager"]) == 4  # the KV cache and three indexers
+    for got, want in zip(caches["piecewise"], caches["eager"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_cache_made_after_the_first_call_names_the_fix():
@@ -178,9 +217,11 @@ def test_nvfp4_weights_under_piecewise_equal_the_same_model_eager(name):
             steps = [call(ids[:5], torch.arange(5), cache)]
             steps += [call(ids[p : p + 1], torch.tensor([p]), cache) for p in range(5, 9)]
         logits[key] = torch.cat(steps)
+        for hook in hooks:  # eager only: a hook appending to a list is a guard Dynamo retraces on
+            hook.remove()
+        hooks = []
     assert torch.equal(logits["piecewise"], logits["eager"])
-    for hook in hooks:
-        hook.remove()
+    assert runner.stats["full_calls"] == 5, "DSA is capturable: every call of up to 16 tokens is a full-graph call"
     assert seen and set(seen) == {torch.bfloat16}, set(seen)
 
 

@@ -148,3 +148,38 @@ def test_dynamo_graph_breaks_inside_layers_with_splitting_ops_equal_eager(jit_at
     ours = [str(w.message) for w in caught if "piecewise" in str(w.message)]
     assert len(ours) == 1 and "runs eagerly between captured pieces" in ours[0] and "jit_subprocess" in ours[0]
     assert runner.stats["graph_breaks"] == 1 and runner.stats["frontend"] == "dynamo"
+
+
+class _Recorder:
+    """Python state a forward changes on every call, the two usual ways: a list a hook appends to, a counter."""
+
+    def __init__(self, model, kind: str):
+        self.seen, self.calls = [], 0
+        layer = model.layers[0]
+        if kind == "list":
+            layer.register_forward_pre_hook(lambda module, args: self.seen.append(args[0].shape[0]))
+        else:
+            def count(module, args):
+                module.piecewise_test_calls = getattr(module, "piecewise_test_calls", 0) + 1
+            layer.register_forward_pre_hook(count)
+
+
+@pytest.mark.parametrize("kind", ["list", "counter"])
+def test_python_state_the_forward_changes_every_call_moves_auto_to_breakable_and_dynamo_names_it(kind):
+    from piecewise.errors import ForwardRefused
+
+    """Dynamo guards on that state, so it would trace again on every call and fail hard after eight. ``auto``
+    takes the breakable front-end with the guard in its warning; ``dynamo`` refuses naming it; both equal eager."""
+    model, (_, _, cache) = example(tokens=3, num_layers=2)
+    _Recorder(model, kind)
+    with pytest.warns(UserWarning, match=r"(?s)cannot take this forward.*\[state_guard\].*guard that failed"):
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+        sequence(model, runner, [3, 1, 1, 5, 2, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], cache.clone())
+    assert runner.stats["frontend"] == "breakable"
+    strict = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
+    with pytest.raises(ForwardRefused, match=r"Python state changes from call to call.*frontend='breakable'") as refused:
+        with torch.no_grad():
+            ids = torch.randint(0, model.config.vocab_size, (3,))
+            strict(ids, torch.arange(3), cache.clone())
+    assert refused.value.kind == "state_guard"
+    assert [frame.name for frame in refused.value.chain] == ["<lambda>" if kind == "list" else "count"]

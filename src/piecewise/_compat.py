@@ -21,6 +21,9 @@ Unsupported = torch._dynamo.exc.Unsupported
 # What fullgraph=True raises where a graph break would do: unsupported code, and a guard on a data-dependent
 # value (``if t.numel() > 0`` after ``torch.where``) that Dynamo reports as a UserError.
 UNTRACEABLE = (Unsupported, torch._dynamo.exc.UserError)
+# Dynamo's hard failure once a fullgraph frame was compiled recompile_limit times (its guards kept failing).
+RECOMPILE_LIMIT = tuple(cls for cls in (getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None),
+                                        getattr(torch._dynamo.exc, "RecompileLimitExceeded", None)) if cls)
 # Dynamo wraps anything a backend raises in this; ``inner_exception`` holds the original.
 BackendCompilerFailed = torch._dynamo.exc.BackendCompilerFailed
 
@@ -263,3 +266,14 @@ def argument_source(placeholder: Any) -> str:
         if own:  # l_self_modules_mlp_buffers_steps_ → self.mlp.steps
             return "`self" + re.sub(r"(?:^|_)(?:modules|parameters|buffers)_", ".", own.group(1)) + "`"
     return f"`{name or placeholder.name}`"
+
+
+def last_guard_failure(method: Any) -> str | None:
+    """The guard of ``method``'s compiled frame that failed last, as Dynamo records it (the guard's code, then the
+    model line it came from), on one line; None where Dynamo keeps no record."""
+    code = getattr(getattr(method, "__func__", method), "__code__", None)
+    failures = getattr(torch._dynamo.utils, "guard_failures", {}).get(code)
+    if not failures:
+        return None
+    text = str(failures[-1]).split("\nUser stack trace")[0]
+    return " ".join(re.sub(r"^\d+/\d+: ", "", text).split())

@@ -22,6 +22,7 @@ class BlockerKind(str, enum.Enum):
     STATE_UPDATE = "state_update"
     TOKEN_MIXING = "token_mixing"
     TOKEN_BRANCH = "token_branch"
+    STATE_GUARD = "state_guard"
     TOKEN_ARGUMENT_WRITE = "token_argument_write"
     BATCH_FIRST = "batch_first"
 

@@ -65,6 +65,12 @@ FIXES: dict[str, str] = {
         "One trace serves every token count: compute the branch's condition outside forward and pass it in, "
         "or make the code that depends on the token count a splitting op, piecewise.opaque_op(name, split=True)."
     ),
+    "state_guard": (
+        "Dynamo compiles the forward for the Python state it saw (a list it appends to, a counter, a flag) and "
+        "traces it again whenever that state differs, here on every call. Keep such state out of forward (collect "
+        "it after the call, or count in a tensor on the device), or use CaptureConfig(frontend='breakable'), "
+        "which runs the forward's Python as written on every call that is not a replay."
+    ),
     "token_argument_write": (
         "The written tensor was taken for a token argument (its first dimension equals the call's token count), "
         "which piecewise copies into a padded buffer each call: compile with dynamic={...} naming only the real "

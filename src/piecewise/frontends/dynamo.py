@@ -28,7 +28,8 @@ from ..graph.tokens import is_token_tensor, token_mixing_nodes, user_line
 from ..graph.writes import accumulates, describe_write, writes_to_inputs
 from ..opaque import op_name, resolve_splitting_ops
 from .dynamo_graph import GraphRunner
-from .dynamo_trace import ForwardTracer, soften
+from ..runtime.arguments import STATE_CHANGE
+from .dynamo_trace import ForwardTracer, soften, state_guard_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +143,17 @@ class DynamoFrontend:
                 runner.graphs_allowed = False
             if self.tracer.graph_breaks:
                 return  # code after a graph break is traced per new shape once; the break was reported
+            change = self.describe_change()
+            if change == STATE_CHANGE and not self.state.capture_done:
+                # the first call's own runs (checks, warm-up) already fail a guard: so would every later call
+                raise state_guard_refusal(self.tracer.method)
+            if change == STATE_CHANGE:
+                guard = _compat.last_guard_failure(self.tracer.method)
+                change += f": `{guard}`" if guard else ""
             warnings.warn(
-                f"piecewise: the model was traced again after the first trace ({self.describe_change()}); the new "
-                f"graph runs without CUDA graphs. Call the model with the argument types it was captured with, or "
-                f"compile a separate runner for this variant.",
+                f"piecewise: the model was traced again after the first trace ({change}); the new graph runs "
+                f"without CUDA graphs. Call the model with the argument types it was captured with, or compile a "
+                f"separate runner for this variant.",
                 stacklevel=7,
             )
             return

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
+import traceback
 import types
 import warnings
 from collections.abc import Callable
@@ -97,6 +99,20 @@ class DynamoBlocked(Exception):
         self.blockers = blockers
 
 
+def state_guard_refusal(method: Any) -> ForwardRefused:
+    """The error for a forward whose Python state fails Dynamo's guards on every call (a list the forward appends
+    to, a counter): named with the guard and the model line, when Dynamo recorded them."""
+    guard = _compat.last_guard_failure(method)
+    located = re.search(r"# (\S+):(\d+) in ([\w<>]+)", guard or "")
+    return ForwardRefused(
+        "piecewise: the forward's Python state changes from call to call"
+        + (f" (the guard that failed: `{guard}`)" if guard else "") + ", so Dynamo would trace it again on every "
+        "call. Keep that state out of forward, or use CaptureConfig(frontend='breakable'), which runs the "
+        "forward's Python as written.",
+        "state_guard", [traceback.FrameSummary(located[1], int(located[2]), located[3])] if located else [],
+    )
+
+
 class ForwardTracer:
     """Calls the Dynamo-compiled forward; handles the first trace's failure modes.
 
@@ -136,7 +152,10 @@ class ForwardTracer:
                 # about code piecewise reports itself, as blockers with their fix.
                 warnings.filterwarnings("ignore", message=r"Dynamo (detected|does not know)", category=UserWarning)
                 if self.first_trace_done:
-                    return self.compiled(*args, **kwargs)
+                    try:
+                        return self.compiled(*args, **kwargs)
+                    except _compat.RECOMPILE_LIMIT:
+                        raise state_guard_refusal(self.method) from None
                 try:
                     output = self.compiled(*args, **kwargs)
                 except _compat.UNTRACEABLE as exc:

@@ -6,8 +6,9 @@ keys only. Under piecewise both halves are splitting ops on the real rows: ``dsa
 indexer keys into an indexer key cache beside the MLA cache and picks each query's top-k among the keys at or
 before its position; ``dsa_attention`` writes the call's keys and values into the KV cache and attends over the
 selected ones. The projections (and their rotary embedding, interleaved in GLM-5) stay in the model's code, in
-the pieces. Top-k and gather run on the device: no host sync, capturable. Without a KV cache the call's own
-tokens are the keys.
+the pieces. Top-k and gather run on the device: no host sync, so both ops are capturable and a GLM-5 decode step
+runs as one full graph (``CaptureConfig.graph_mode``) where its experts are captured too. Without a KV cache the
+call's own tokens are the keys.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..context import context, redirect_padding
 from ..opaque import opaque_op
 
 INDEXED = frozenset({"indexed_attention", "deepseek_sparse_attention"})
@@ -33,20 +35,31 @@ def _select_fake(q, k, weights, positions, slots, index_cache, topk, scale):
     return q.new_empty(q.shape[0], topk, dtype=torch.long)
 
 
-@opaque_op("piecewise_hf::dsa_select", fake=_select_fake, mutates_args=("index_cache",), split=True)
+def _call_keys(positions: torch.Tensor) -> torch.Tensor:
+    """The positions of a call's own tokens as keys (no cache): a full-graph call's pad rows never are keys."""
+    ctx = context()
+    mask = ctx.token_mask if ctx is not None else None
+    return positions if mask is None else torch.where(mask, positions, 2**62)
+
+
+@opaque_op("piecewise_hf::dsa_select", fake=_select_fake, mutates_args=("index_cache",), split=True,
+           capturable=True)
 def dsa_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor | None, index_cache: torch.Tensor | None, topk: int, scale: float) -> torch.Tensor:
     """q [T, H, D], k [T, D], weights [T, H] (the indexer's per-head weights, already scaled) → [T, topk] key
     indices: the cache positions (or, without a cache, the call's token indices) of the top-k keys by
     Σ_h weights·relu(q·k)·scale among the keys at or before each query's position. Picks past the valid keys
-    point at keys the attention masks out, as transformers' own selection does."""
+    point at keys the attention masks out, as transformers' own selection does.
+
+    Capturable (no host sync): in a full-graph call the pad rows write and read what the first row does."""
     if index_cache is not None:
         cache = index_cache if slots is not None else index_cache.unsqueeze(0)  # [sequences, max_seq, D]
         rows = slots if slots is not None else torch.zeros_like(positions)
+        rows, positions, k = redirect_padding(rows, positions, k)
         cache[rows, positions] = k.to(cache.dtype)
         key_positions = torch.arange(cache.shape[1], device=q.device)
     else:
-        key_positions = positions
+        key_positions = _call_keys(positions)
     picks = []
     for start, stop in _chunks(q.shape[0], key_positions.shape[0] * max(q.shape[1:])):  # bounded memory, long calls
         keys = cache[rows[start:stop]] if index_cache is not None else k.unsqueeze(0).expand(stop - start, -1, -1)
@@ -70,23 +83,25 @@ def _attention_fake(q, k, v, positions, slots, kv_cache, layer, scale, indices):
     return q.new_empty(q.shape)
 
 
-@opaque_op("piecewise_hf::dsa_attention", fake=_attention_fake, mutates_args=("kv_cache",), split=True)
+@opaque_op("piecewise_hf::dsa_attention", fake=_attention_fake, mutates_args=("kv_cache",), split=True,
+           capturable=True)
 def dsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   slots: torch.Tensor | None, kv_cache: torch.Tensor | None, layer: int, scale: float,
                   indices: torch.Tensor) -> torch.Tensor:
     """q / k / v [T, H, W] (MLA, one width), ``indices`` [T, K] from ``dsa_select`` → [T, H, W]: each query
     attends over its selected keys at or before its position. With ``kv_cache`` the call's keys and values are
-    written at ``positions`` first (of sequence ``slots[t]`` where given)."""
+    written at ``positions`` first (of sequence ``slots[t]`` where given). Capturable, as ``dsa_select``."""
     if kv_cache is not None:
         cache = kv_cache[layer] if slots is not None else kv_cache[layer].unsqueeze(1)  # [2, seq, max_seq, H, W]
         rows = slots if slots is not None else torch.zeros_like(positions)
+        rows, positions, k, v = redirect_padding(rows, positions, k, v)
         cache[0][rows, positions] = k
         cache[1][rows, positions] = v
         picked = indices.clamp(max=cache.shape[2] - 1)
         key_positions = indices
     else:
         picked = indices.clamp(max=k.shape[0] - 1)
-        key_positions = torch.where(indices < k.shape[0], positions[picked], positions.new_tensor(2**62))
+        key_positions = torch.where(indices < k.shape[0], _call_keys(positions)[picked], 2**62)
     out = []
     for start, stop in _chunks(q.shape[0], indices.shape[1] * q.shape[1] * q.shape[2]):  # bounded memory
         if kv_cache is not None:

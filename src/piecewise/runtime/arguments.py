@@ -11,6 +11,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+STATE_CHANGE = "a guard on model state failed"
+"""What ``describe_change`` says when no argument changed: a retrace came from the model's own Python state."""
+
 
 class Arguments:
     """What piecewise knows of the forward's arguments, from its signature and the first call."""
@@ -194,4 +197,4 @@ class Arguments:
             for name in sorted(set(now) | set(self.first_signature))
             if now.get(name) != self.first_signature.get(name)
         ]
-        return "; ".join(changes) if changes else "a guard on model state failed"
+        return "; ".join(changes) if changes else STATE_CHANGE

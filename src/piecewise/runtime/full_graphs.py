@@ -34,13 +34,27 @@ class FullGraphs:
     def __init__(self, runner: "PiecewiseModel"):
         self.runner = runner
         self.mode = "piecewise"
-        self.sizes: list[int] = []
+        self.top = 0  # the largest full size; the sizes are the ladder's up to it
+        self._sizes: list[int] = []
+        self._ladder_sizes: int = -1  # len(ladder.sizes) when _sizes was made (the ladder can drop size 1 later)
         self.ops: list = []  # OpaqueOpInfo of every splitting op the model calls
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Any] = {}
         self.mask: torch.Tensor | None = None
         self.masks: dict[int, torch.Tensor] = {}
         self.positions: torch.Tensor | None = None
+
+    @property
+    def sizes(self) -> list[int]:
+        """The full sizes: the ladder's up to ``top``, following it when the first trace drops size 1 (a trace
+        that holds for more than one token only), which may come after ``resolve``."""
+        ladder = self.runner.ladder.sizes
+        if len(ladder) != self._ladder_sizes:
+            self._sizes = [size for size in ladder if size <= self.top]
+            self._ladder_sizes = len(ladder)
+            if self.mode != "piecewise":
+                self.runner.stats.full_sizes = list(self._sizes)
+        return self._sizes
 
     # --- first call ------------------------------------------------------------------------------------------
 
@@ -69,9 +83,8 @@ class FullGraphs:
         if wanted == "piecewise":
             return
         self.ops = capturable
-        top = config.max_tokens if wanted == "full" else (config.max_decode_batch or min(config.max_tokens, 256))
-        self.sizes = [size for size in self.runner.ladder.sizes if size <= top]
-        stats.full_sizes = list(self.sizes)
+        self.top = config.max_tokens if wanted == "full" else (config.max_decode_batch or min(config.max_tokens, 256))
+        self._ladder_sizes = -1
         self.mask = torch.zeros(config.max_tokens, dtype=torch.bool, device=device)
         self.positions = torch.arange(config.max_tokens, device=device)
         self.masks = {size: self.mask[:size] for size in self.sizes}
@@ -83,7 +96,7 @@ class FullGraphs:
         self.mode = self.runner.stats.graph_mode = "piecewise"
         self.runner.stats.graph_mode_reason = reason
         self.runner.stats.full_sizes = []
-        self.sizes, self.graphs, self.outputs = [], {}, {}
+        self.top, self._sizes, self._ladder_sizes, self.graphs, self.outputs = 0, [], -1, {}, {}
 
     # --- per call --------------------------------------------------------------------------------------------
 
