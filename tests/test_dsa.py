@@ -187,6 +187,43 @@ def test_full_graph_calls_write_both_caches_at_the_real_rows_only(frontend):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("frontend", ["auto", "breakable"])
+def test_every_call_size_up_to_max_tokens_plus_one_equals_eager_with_both_caches(frontend, mode):
+    """Calls of 1..9 tokens (max_tokens 8: full graphs, piecewise sizes, one call above them), each its own
+    sequences' next tokens through slots, from the same caches as an eager call: outputs, the KV cache and the
+    indexer key caches equal the eager call's, under each grad mode."""
+    model = build("GlmMoeDsa", seed=8)
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=24, sequences=9)
+    index = [b for n, b in token_model.named_buffers() if n.endswith("index_cache")]
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # a prompt of 5 tokens in every slot
+        for slot in range(9):
+            token_model(torch.randint(0, 256, (5,), generator=generator), torch.arange(5), cache,
+                        torch.full((5,), slot))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8, max_decode_batch=4,
+                                                                    frontend=frontend))
+    grad = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    for tokens in (5, *range(1, 10)):
+        ids = torch.randint(0, 256, (tokens,), generator=generator)
+        slots = torch.randperm(9, generator=generator)[:tokens]
+        positions = torch.randint(5, 24, (tokens,), generator=generator)
+        state = [cache.clone()] + [buffer.clone() for buffer in index]
+        with torch.no_grad():
+            expected = token_model(ids, positions, cache, slots)
+        after = [cache.clone()] + [buffer.clone() for buffer in index]
+        for live, saved in zip([cache, *index], state):
+            live.copy_(saved)
+        with grad():
+            out = runner(ids, positions, cache, slots)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=f"{tokens} tokens")
+        for live, want in zip([cache, *index], after):
+            torch.testing.assert_close(live, want, rtol=1e-5, atol=1e-5, msg=f"{tokens} tokens: a cache")
+    stats = runner.stats
+    assert stats["full_calls"] > 0 and stats["padded_calls"] > 0 and stats["fallback_calls"] > 0, dict(stats)
+
+
 def test_a_cache_made_after_the_first_call_names_the_fix():
     model = build("GlmMoeDsa")
     token_model = TokenModel(enable(model))
