@@ -268,11 +268,16 @@ def argument_source(placeholder: Any) -> str:
     return f"`{name or placeholder.name}`"
 
 
-def last_guard_failure(method: Any) -> str | None:
-    """The guard of ``method``'s compiled frame that failed last, as Dynamo records it (the guard's code, then the
-    model line it came from), on one line; None where Dynamo keeps no record."""
+def guard_failures(method: Any) -> list:
+    """The guards of ``method``'s compiled frames that failed so far, as Dynamo records them, oldest first."""
     code = getattr(getattr(method, "__func__", method), "__code__", None)
-    failures = getattr(torch._dynamo.utils, "guard_failures", {}).get(code)
+    return list(getattr(torch._dynamo.utils, "guard_failures", {}).get(code, ()))
+
+
+def last_guard_failure(method: Any) -> str | None:
+    """The guard of ``method``'s compiled frame that failed last (the guard's code, then the model line it came
+    from), on one line; None where Dynamo keeps no record."""
+    failures = guard_failures(method)
     if not failures:
         return None
     text = str(failures[-1]).split("\nUser stack trace")[0]

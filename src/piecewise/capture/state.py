@@ -46,6 +46,8 @@ class CaptureState:
     call: Call = IDLE
     graphs_enabled: bool = False
     capture_done: bool = False
+    preparing: bool = False
+    """The first call is running its checks, warm-up and captures (``first_call.prepare``)."""
     pool: Any = None
     workspace_graph: Any = None
     """The throwaway capture that made the capture stream's cuBLAS workspaces inside ``pool``."""

@@ -51,6 +51,7 @@ class DynamoFrontend:
         self.tracer = ForwardTracer(model, self.backend, on_blocker)
         self.traced_in_call = False
         self.token_names = token_names
+        self.guard_failures = 0  # Dynamo's record for this forward at the last trace
 
     def splitting_ops(self) -> frozenset[str]:
         return resolve_splitting_ops(self.config.splitting_ops)
@@ -144,8 +145,11 @@ class DynamoFrontend:
             if self.tracer.graph_breaks:
                 return  # code after a graph break is traced per new shape once; the break was reported
             change = self.describe_change()
-            if change == STATE_CHANGE and not self.state.capture_done:
-                # the first call's own runs (checks, warm-up) already fail a guard: so would every later call
+            failures = len(_compat.guard_failures(self.tracer.method))
+            failed, self.guard_failures = failures > self.guard_failures, failures
+            if change == STATE_CHANGE and failed and self.state.preparing:
+                # a guard on the model's Python state fails between the first call's own runs (checks, warm-up,
+                # captures): it would on every later call too
                 raise state_guard_refusal(self.tracer.method)
             if change == STATE_CHANGE:
                 guard = _compat.last_guard_failure(self.tracer.method)

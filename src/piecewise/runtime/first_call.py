@@ -85,6 +85,7 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     for index, make in enumerate(candidates):
         runner.frontend = make()
         runner.stats.frontend = runner.frontend.name
+        runner.state.preparing = True
         try:
             check_padding(runner, arguments)
             if runner.full.sizes:
@@ -96,6 +97,8 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
             if index == len(candidates) - 1 or (isinstance(exc, ForwardRefused) and exc.kind in _REFUSED_BY_BOTH):
                 raise
             reasons.append(_reset_after(runner, exc))
+        finally:
+            runner.state.preparing = False
     if choice == "auto" and not runner.config.strict:
         runner.stats.frontend_reason = "; ".join(reasons) or "Dynamo traced the forward as one graph with no blocker"
     if not use_graphs:
