@@ -128,20 +128,26 @@ def test_three_sequences_through_slots_and_no_cache_equal_transformers(name, chu
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_an_enabled_model_called_as_transformers_runs_it_keeps_transformers_selection(name):
-    """After ``enable``, with the model's own attention put back: a batch of several sequences, and decode with
-    transformers' own cache, give transformers' logits (the indexer runs as written for calls that are not
-    piecewise's: one sequence, no transformers cache)."""
+    """After ``enable``, called the transformers way (batch-first, use_cache left on): one sequence of 3 tokens
+    (fewer than the 4 picks) and of 11 equals transformers under piecewise's attention; with the model's own
+    attention put back, a batch of several sequences and decode with transformers' own cache do too (the indexer
+    then runs the model's code)."""
     model = build(name)
     ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(5))
     own = model.config._attn_implementation
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits
+        single = [model(input_ids=ids[:1, :n]).logits for n in (3, 11)]
         cache = transformers.DynamicCache(config=model.config)
         model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
         expected_step = model(input_ids=ids[:, 10:], past_key_values=cache, use_cache=True).logits
         enable(model)
+        for n, want in zip((3, 11), single):  # piecewise's attention, a DynamicCache made by transformers
+            torch.testing.assert_close(model(input_ids=ids[:1, :n]).logits, want, rtol=1e-5, atol=1e-5)
         model.config._attn_implementation = own
         torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, expected, rtol=0, atol=0)
+        for n, want in zip((3, 11), single):
+            torch.testing.assert_close(model(input_ids=ids[:1, :n]).logits, want, rtol=0, atol=0)
         cache = transformers.DynamicCache(config=model.config)
         model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
         step = model(input_ids=ids[:, 10:], past_key_values=cache, use_cache=True).logits
@@ -259,6 +265,8 @@ def test_nvfp4_weights_under_piecewise_equal_the_same_model_eager(name):
         hooks = []
     assert torch.equal(logits["piecewise"], logits["eager"])
     assert runner.stats["full_calls"] == 5, "DSA is capturable: every call of up to 16 tokens is a full-graph call"
+    # Dynamo's trace of MLA's key assembly holds for more than one token: size 1 goes, for both graph families
+    assert runner.stats["frontend"] == "dynamo" and runner.stats["full_sizes"] == [2, 4, 8, 16]
     assert seen and set(seen) == {torch.bfloat16}, set(seen)
 
 

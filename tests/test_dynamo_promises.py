@@ -150,28 +150,27 @@ def test_dynamo_graph_breaks_inside_layers_with_splitting_ops_equal_eager(jit_at
     assert runner.stats["graph_breaks"] == 1 and runner.stats["frontend"] == "dynamo"
 
 
-class _Recorder:
-    """Python state a forward changes on every call, the two usual ways: a list a hook appends to, a counter."""
 
-    def __init__(self, model, kind: str):
-        self.seen, self.calls = [], 0
-        layer = model.layers[0]
-        if kind == "list":
-            layer.register_forward_pre_hook(lambda module, args: self.seen.append(args[0].shape[0]))
-        else:
-            def count(module, args):
-                module.piecewise_test_calls = getattr(module, "piecewise_test_calls", 0) + 1
-            layer.register_forward_pre_hook(count)
+def record_every_call(model, kind: str) -> None:
+    """Python state a forward changes on every call, the two usual ways: a list a hook appends to, a counter."""
+    if kind == "list":
+        seen = []
+        model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    else:
+        def count(module, args):
+            module.piecewise_test_calls = getattr(module, "piecewise_test_calls", 0) + 1
+        model.layers[0].register_forward_pre_hook(count)
 
 
 @pytest.mark.parametrize("kind", ["list", "counter"])
 def test_python_state_the_forward_changes_every_call_moves_auto_to_breakable_and_dynamo_names_it(kind):
+    """Dynamo guards on that state, so it would trace again on every call and fail hard after eight. ``auto``
+    takes the breakable front-end with the guard in its warning; ``dynamo`` refuses naming it and the model line;
+    both equal eager."""
     from piecewise.errors import ForwardRefused
 
-    """Dynamo guards on that state, so it would trace again on every call and fail hard after eight. ``auto``
-    takes the breakable front-end with the guard in its warning; ``dynamo`` refuses naming it; both equal eager."""
     model, (_, _, cache) = example(tokens=3, num_layers=2)
-    _Recorder(model, kind)
+    record_every_call(model, kind)
     with pytest.warns(UserWarning, match=r"(?s)cannot take this forward.*\[state_guard\].*guard that failed"):
         runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
         sequence(model, runner, [3, 1, 1, 5, 2, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], cache.clone())
@@ -182,4 +181,34 @@ def test_python_state_the_forward_changes_every_call_moves_auto_to_breakable_and
             ids = torch.randint(0, model.config.vocab_size, (3,))
             strict(ids, torch.arange(3), cache.clone())
     assert refused.value.kind == "state_guard"
-    assert [frame.name for frame in refused.value.chain] == ["<lambda>" if kind == "list" else "count"]
+    frame, = refused.value.chain
+    assert (frame.filename, frame.name) == (__file__, "<lambda>" if kind == "list" else "count")
+
+
+def test_model_state_changed_after_the_first_call_on_every_call_ends_in_the_named_error_not_dynamos():
+    """After the first call each change traces again with a warning naming the guard; at Dynamo's recompile limit
+    the user gets the state_guard error, not Dynamo's hard failure."""
+    from piecewise.errors import ForwardRefused
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.scale = 1.0
+
+        def forward(self, x):
+            return self.linear(x) * self.scale
+
+    model = Scaled()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
+    x = torch.randn(3, 4)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner(x)
+        with pytest.raises(ForwardRefused, match="Python state changes from call to call") as refused:
+            for step in range(2, 20):
+                model.scale = float(step)
+                torch.testing.assert_close(runner(x), model(x))
+    assert refused.value.kind == "state_guard" and 2 < step < 19
+    retraced = [str(w.message) for w in caught if "traced again" in str(w.message)]
+    assert retraced and all("a guard on model state failed: `" in text and "scale" in text for text in retraced)

@@ -274,11 +274,14 @@ def guard_failures(method: Any) -> list:
     return list(getattr(torch._dynamo.utils, "guard_failures", {}).get(code, ()))
 
 
-def last_guard_failure(method: Any) -> str | None:
-    """The guard of ``method``'s compiled frame that failed last (the guard's code, then the model line it came
-    from), on one line; None where Dynamo keeps no record."""
+def last_guard_failure(method: Any) -> tuple[str, tuple[str, int, str] | None] | None:
+    """The guard of ``method``'s compiled frame that failed last: its code (then the model line it came from, as
+    Dynamo abbreviates it) on one line, and the innermost model frame of its stack (file, line, function); None
+    where Dynamo keeps no record."""
     failures = guard_failures(method)
     if not failures:
         return None
-    text = str(failures[-1]).split("\nUser stack trace")[0]
-    return " ".join(re.sub(r"^\d+/\d+: ", "", text).split())
+    guard, _, stack = str(failures[-1]).partition("\nUser stack trace")
+    frames = re.findall(r'File "(.+?)", line (\d+), in (\S+)', stack)
+    frame = (frames[-1][0], int(frames[-1][1]), frames[-1][2]) if frames else None
+    return " ".join(re.sub(r"^\d+/\d+: ", "", guard).split()), frame

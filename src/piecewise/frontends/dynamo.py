@@ -51,7 +51,7 @@ class DynamoFrontend:
         self.tracer = ForwardTracer(model, self.backend, on_blocker)
         self.traced_in_call = False
         self.token_names = token_names
-        self.guard_failures = 0  # Dynamo's record for this forward at the last trace
+        self.guard_failures = len(_compat.guard_failures(self.tracer.method))  # Dynamo's record at the last trace
 
     def splitting_ops(self) -> frozenset[str]:
         return resolve_splitting_ops(self.config.splitting_ops)
@@ -66,7 +66,16 @@ class DynamoFrontend:
                                                            if arguments.get(name) is not None}}
         if self.tracer.graph_breaks:
             soften(arguments)
-        output = self.tracer((), arguments)
+        try:
+            output = self.tracer((), arguments)
+        except _compat.RECOMPILE_LIMIT:
+            change = self.describe_change()
+            if change == STATE_CHANGE:
+                raise state_guard_refusal(self.tracer.method) from None
+            raise ValueError(
+                f"piecewise: the model was traced again until Dynamo's recompile limit ({change}): call it with "
+                f"the argument types it was captured with, or compile a separate runner for each variant"
+            ) from None
         if self.traced_in_call:
             self.stats.traces += 1
         self.stats.replays += self.state.replays - replays
@@ -152,7 +161,7 @@ class DynamoFrontend:
                 # captures): it would on every later call too
                 raise state_guard_refusal(self.tracer.method)
             if change == STATE_CHANGE:
-                guard = _compat.last_guard_failure(self.tracer.method)
+                guard, _ = _compat.last_guard_failure(self.tracer.method) or (None, None)
                 change += f": `{guard}`" if guard else ""
             warnings.warn(
                 f"piecewise: the model was traced again after the first trace ({change}); the new graph runs "

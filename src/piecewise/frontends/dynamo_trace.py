@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 import traceback
 import types
 import warnings
@@ -102,14 +101,13 @@ class DynamoBlocked(Exception):
 def state_guard_refusal(method: Any) -> ForwardRefused:
     """The error for a forward whose Python state fails Dynamo's guards on every call (a list the forward appends
     to, a counter): named with the guard and the model line, when Dynamo recorded them."""
-    guard = _compat.last_guard_failure(method)
-    located = re.search(r"# (\S+):(\d+) in ([\w<>]+)", guard or "")
+    guard, frame = _compat.last_guard_failure(method) or (None, None)
     return ForwardRefused(
         "piecewise: the forward's Python state changes from call to call"
         + (f" (the guard that failed: `{guard}`)" if guard else "") + ", so Dynamo would trace it again on every "
         "call. Keep that state out of forward, or use CaptureConfig(frontend='breakable'), which runs the "
         "forward's Python as written.",
-        "state_guard", [traceback.FrameSummary(located[1], int(located[2]), located[3])] if located else [],
+        "state_guard", [traceback.FrameSummary(*frame)] if frame else [],
     )
 
 
@@ -152,10 +150,7 @@ class ForwardTracer:
                 # about code piecewise reports itself, as blockers with their fix.
                 warnings.filterwarnings("ignore", message=r"Dynamo (detected|does not know)", category=UserWarning)
                 if self.first_trace_done:
-                    try:
-                        return self.compiled(*args, **kwargs)
-                    except _compat.RECOMPILE_LIMIT:
-                        raise state_guard_refusal(self.method) from None
+                    return self.compiled(*args, **kwargs)
                 try:
                     output = self.compiled(*args, **kwargs)
                 except _compat.UNTRACEABLE as exc:

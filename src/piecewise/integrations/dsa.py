@@ -27,6 +27,10 @@ INDEXED = frozenset({"indexed_attention", "deepseek_sparse_attention"})
 """The layer type's name: ``deepseek_sparse_attention`` up to transformers 5.17, ``indexed_attention`` after."""
 
 
+ATTENTION = "piecewise"
+"""The attention implementation's name in transformers' registry (``integrations.transformers.NAME``)."""
+
+
 def is_indexed(config) -> bool:
     return bool(INDEXED & set(getattr(config, "layer_types", None) or ()))
 
@@ -39,7 +43,7 @@ def _call_keys(positions: torch.Tensor) -> torch.Tensor:
     """The positions of a call's own tokens as keys (no cache): a full-graph call's pad rows never are keys."""
     ctx = context()
     mask = ctx.token_mask if ctx is not None else None
-    return positions if mask is None else torch.where(mask, positions, 2**62)
+    return positions if mask is None else torch.where(mask, positions, torch.iinfo(positions.dtype).max)
 
 
 @opaque_op("piecewise_hf::dsa_select", fake=_select_fake, mutates_args=("index_cache",), split=True,
@@ -62,8 +66,11 @@ def dsa_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, position
         key_positions = _call_keys(positions)
     picks = []
     for start, stop in _chunks(q.shape[0], key_positions.shape[0] * max(q.shape[1:])):  # bounded memory, long calls
-        keys = cache[rows[start:stop]] if index_cache is not None else k.unsqueeze(0).expand(stop - start, -1, -1)
-        scores = F.relu(torch.einsum("thd,tjd->thj", q[start:stop].float(), keys.float())) * scale
+        if index_cache is not None:  # each token's own sequence's keys
+            scores = torch.einsum("thd,tjd->thj", q[start:stop].float(), cache[rows[start:stop]].float())
+        else:  # the call's keys, shared by its tokens
+            scores = torch.einsum("thd,jd->thj", q[start:stop].float(), k.float())
+        scores = F.relu(scores) * scale
         index = torch.einsum("th,thj->tj", weights[start:stop].float(), scores)
         index = index.masked_fill(key_positions[None, :] > positions[start:stop, None], float("-inf"))
         if index.shape[1] < topk:  # fewer keys than picks (no cache): the rest point past them, masked
@@ -74,7 +81,8 @@ def dsa_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, position
 
 def _chunks(tokens: int, per_token: int, budget: int = 1 << 29) -> list[tuple[int, int]]:
     """Token ranges of at most ``budget`` elements of ``per_token`` each (at least one token): a long prefill's
-    gathered keys stay near 1 GB in bf16 (GLM-5: 2048 picks of 64 heads × 256 per token, 16 tokens a run)."""
+    gathered keys are bounded by a few GB (GLM-5: 2048 picks of 64 heads × 256 per token, 16 tokens a run; the
+    selection's float copies and scores come on top)."""
     step = max(1, budget // max(per_token, 1))
     return [(start, min(start + step, tokens)) for start in range(0, tokens, step)]
 
@@ -101,7 +109,8 @@ def dsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         key_positions = indices
     else:
         picked = indices.clamp(max=k.shape[0] - 1)
-        key_positions = torch.where(indices < k.shape[0], _call_keys(positions)[picked], 2**62)
+        key_positions = torch.where(indices < k.shape[0], _call_keys(positions)[picked],
+                                    torch.iinfo(positions.dtype).max)
     out = []
     for start, stop in _chunks(q.shape[0], indices.shape[1] * q.shape[1] * q.shape[2]):  # bounded memory
         if kv_cache is not None:
@@ -120,9 +129,9 @@ def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention
                     past_key_values=None):
     """The model's indexer with its top-k selection in ``dsa_select`` (its projections and rotary as written).
 
-    A call that is not piecewise's (a batch of several sequences, or transformers' own cache: the model called
-    directly, as transformers runs it) gets the model's own indexer, so the selection is transformers' there."""
-    if hidden_states.shape[0] != 1 or cache is not None or past_key_values is not None:
+    With the model's own attention put back (``config._attn_implementation`` not piecewise's), the model's own
+    indexer runs: its selection goes with its own attention, mask and cache, as transformers computes them."""
+    if self._piecewise_config._attn_implementation != ATTENTION:
         given = {name: value for name, value in (("cache", cache), ("past_key_values", past_key_values))
                  if value is not None}  # transformers 5.24 names it cache, 5.17 past_key_values
         return type(self).forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
@@ -162,6 +171,7 @@ def enable_indexed(model: nn.Module, shared: dict) -> None:
         if type(module).__name__.endswith("Indexer") and hasattr(module, "weights_proj"):
             module.forward = types.MethodType(indexer_forward, module)
             module._piecewise_call = shared
+            module._piecewise_config = model.config
 
 
 def make_index_caches(model: nn.Module, max_seq_len: int, sequences: int | None, device, dtype) -> None:

@@ -46,7 +46,7 @@ from ..opaque import opaque_op
 from ..parallel import reduce_partial
 from . import dsa
 
-NAME = "piecewise"
+NAME = dsa.ATTENTION
 
 
 def _attention_fake(q, k, v, scaling, window=0, softcap=0.0):
