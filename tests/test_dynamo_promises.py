@@ -184,31 +184,3 @@ def test_python_state_the_forward_changes_every_call_moves_auto_to_breakable_and
     frame, = refused.value.chain
     assert (frame.filename, frame.name) == (__file__, "<lambda>" if kind == "list" else "count")
 
-
-def test_model_state_changed_after_the_first_call_on_every_call_ends_in_the_named_error_not_dynamos():
-    """After the first call each change traces again with a warning naming the guard; at Dynamo's recompile limit
-    the user gets the state_guard error, not Dynamo's hard failure."""
-    from piecewise.errors import ForwardRefused
-
-    class Scaled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 4)
-            self.scale = 1.0
-
-        def forward(self, x):
-            return self.linear(x) * self.scale
-
-    model = Scaled()
-    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
-    x = torch.randn(3, 4)
-    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        runner(x)
-        with pytest.raises(ForwardRefused, match="Python state changes from call to call") as refused:
-            for step in range(2, 20):
-                model.scale = float(step)
-                torch.testing.assert_close(runner(x), model(x))
-    assert refused.value.kind == "state_guard" and 2 < step < 19
-    retraced = [str(w.message) for w in caught if "traced again" in str(w.message)]
-    assert retraced and all("a guard on model state failed: `" in text and "scale" in text for text in retraced)

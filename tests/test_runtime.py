@@ -278,16 +278,17 @@ def test_changed_python_argument_retraces_with_one_warning_and_stays_correct():
     assert runner.stats["traces"] == 2
 
 
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
 def test_changed_module_attribute_is_caught_by_the_guards_of_the_direct_call():
-    class Scaled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 4)
-            self.scale = 2.0
-
-        def forward(self, x):
-            return self.linear(x) * self.scale
-
     model = Scaled()
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
     x = torch.randn(3, 4)
@@ -306,6 +307,27 @@ def test_changed_module_attribute_is_caught_by_the_guards_of_the_direct_call():
         assert out.dtype == ref.dtype == torch.bfloat16
         torch.testing.assert_close(out, ref)
     assert runner.stats["traces"] == 3 and runner.stats["direct_calls"] == 2
+
+
+def test_model_state_changed_after_the_first_call_on_every_call_ends_in_the_named_error_not_dynamos():
+    """After the first call each change traces again with a warning naming the guard; at Dynamo's recompile limit
+    the user gets the state_guard error, not Dynamo's hard failure."""
+    from piecewise.errors import ForwardRefused
+
+    model = Scaled()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
+    x = torch.randn(3, 4)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner(x)
+        with pytest.raises(ForwardRefused, match="Python state changes from call to call") as refused:
+            for step in range(2, 20):
+                model.scale = float(step)
+                torch.testing.assert_close(runner(x), model(x))
+    assert refused.value.kind == "state_guard" and 2 < step < 19
+    retraced = [str(w.message) for w in caught if "traced again" in str(w.message)]
+    assert retraced and all("a guard on model state failed: `" in text and "scale" in text for text in retraced)
+
 
 
 def test_direct_call_keeps_defaults_keyword_arguments_and_closures():
