@@ -27,8 +27,8 @@ from ..graph.stack import node_stack
 from ..graph.tokens import is_token_tensor, token_mixing_nodes, user_line
 from ..graph.writes import accumulates, describe_write, writes_to_inputs
 from ..opaque import op_name, resolve_splitting_ops
-from .dynamo_graph import GraphRunner
 from ..runtime.arguments import STATE_CHANGE
+from .dynamo_graph import GraphRunner
 from .dynamo_trace import ForwardTracer, soften, state_guard_refusal
 
 logger = logging.getLogger(__name__)
