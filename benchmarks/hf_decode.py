@@ -131,7 +131,7 @@ def report(args, architecture, shapes, dtype, prompt_len, batches, results, erro
              "| variant | " + " | ".join(f"B={b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
     lines += [f"| {name} | " + " | ".join(f"{row[b]:.3f} ({errors[name][b]:.1e})" for b in batches) + " |"
               for name, row in results.items()]
-    lines += ["", *(f"- capture seconds, {name}: {seconds:.1f} ({frontends[name]} front-end)"
+    lines += ["", *(f"- capture seconds, {name}: {seconds:.1f} ({frontends[name]})"
                     for name, seconds in capture.items())]
     if reference_error:
         lines += ["- NVFP4 weights against the bf16 model (transformers' forward, both): rel. error "
@@ -249,7 +249,7 @@ def main() -> int:
                 errors.setdefault(name, {})[b] = rel_error(step(), expected_nvfp4[b] if nvfp4 else expected[b])
                 results.setdefault(name, {})[b] = timed(step, sync, rounds, iters)
             capture[name] = runner.stats["capture_seconds"]
-            frontends[name] = runner.stats["frontend"]
+            frontends[name] = f"{runner.stats['frontend']} front-end, graph_mode {runner.stats['graph_mode']}"
             progress(f"{name}: {results[name]}")
             report(args, architecture, shapes, dtype, prompt_len, batches, results, errors, capture, frontends,
                    reference_error)
