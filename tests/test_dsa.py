@@ -14,6 +14,7 @@ import piecewise
 
 transformers = pytest.importorskip("transformers")
 from piecewise.integrations.transformers import TokenModel, enable  # noqa: E402
+from test_transformers_zoo import logits_of_steps  # noqa: E402
 
 ARCHITECTURES = {"GlmMoeDsa": "GlmMoeDsaConfig", "DeepseekV32": "DeepseekV32Config"}
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -253,17 +254,10 @@ def test_nvfp4_weights_under_piecewise_equal_the_same_model_eager(name):
              for indexer in indexers(model)]
     ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
     runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
-    logits = {}
-    for key, call in (("eager", token_model), ("piecewise", runner)):
-        cache = token_model.make_kv_cache(max_seq_len=32)
-        with torch.no_grad():
-            steps = [call(ids[:5], torch.arange(5), cache)]
-            steps += [call(ids[p : p + 1], torch.tensor([p]), cache) for p in range(5, 9)]
-        logits[key] = torch.cat(steps)
-        for hook in hooks:  # eager only: a hook appending to a list is a guard Dynamo retraces on
-            hook.remove()
-        hooks = []
-    assert torch.equal(logits["piecewise"], logits["eager"])
+    eager = logits_of_steps(token_model, token_model, ids)
+    for hook in hooks:  # eager only: a hook appending to a list is a guard Dynamo retraces on
+        hook.remove()
+    assert torch.equal(logits_of_steps(runner, token_model, ids), eager)
     assert runner.stats["full_calls"] == 5, "DSA is capturable: every call of up to 16 tokens is a full-graph call"
     # Dynamo's trace of MLA's key assembly holds for more than one token: size 1 goes, for both graph families
     assert runner.stats["frontend"] == "dynamo" and runner.stats["full_sizes"] == [2, 4, 8, 16]

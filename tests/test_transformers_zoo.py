@@ -64,6 +64,16 @@ NAMES = list(ARCHITECTURES) + [
     for name in OPT if name not in ARCHITECTURES]
 
 
+def logits_of_steps(call, token_model, ids: torch.Tensor) -> torch.Tensor:
+    """``call`` (the token model or a runner of it) on a fresh cache: ``ids[:5]`` as a prompt, then one decode
+    step per remaining token; the logits of every call, in order."""
+    cache = token_model.make_kv_cache(max_seq_len=32)
+    with torch.no_grad():
+        steps = [call(ids[:5], torch.arange(5), cache)]
+        steps += [call(ids[p : p + 1], torch.tensor([p]), cache) for p in range(5, len(ids))]
+    return torch.cat(steps)
+
+
 def build(name: str):
     config_name, extra = ARCHITECTURES[name] if name in ARCHITECTURES else OPT[name]
     config_class = getattr(transformers, config_name, None)
@@ -168,14 +178,7 @@ def test_nvfp4_weights_under_piecewise_equal_the_same_model_eager(name):
     assert converted and linears == ["lm_head"], linears  # every linear layer but the head is NVFP4
     ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
     runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
-    logits = {}
-    for key, call in (("eager", token_model), ("piecewise", runner)):
-        cache = token_model.make_kv_cache(max_seq_len=32)
-        with torch.no_grad():
-            steps = [call(ids[:5], torch.arange(5), cache)]
-            steps += [call(ids[p : p + 1], torch.tensor([p]), cache) for p in range(5, 9)]
-        logits[key] = torch.cat(steps)
-    assert torch.equal(logits["piecewise"], logits["eager"])
+    assert torch.equal(logits_of_steps(runner, token_model, ids), logits_of_steps(token_model, token_model, ids))
 
 
 @pytest.mark.parametrize("name,config_class,extra", [
