@@ -708,3 +708,48 @@ def test_replacing_a_parameter_buffer_or_submodule_after_the_first_call_is_refus
             replace(model)
             with pytest.raises(ValueError, match=f"{re.escape(what)}.* after the first call.*copy_"):
                 runner(x)
+
+
+_IMPORT_EACH_FIRST = r"""
+import os, sys, traceback
+import torch
+root = os.path.join(sys.argv[1], "piecewise")
+names = sorted("piecewise." + os.path.relpath(os.path.join(d, f), root)[:-3].replace(os.sep, ".")
+               for d, _, files in os.walk(root) for f in files if f.endswith(".py"))
+names = [n.removesuffix(".__init__") for n in names if n != "piecewise.__init__"]
+running, failed = {}, []
+for name in names + [None] * os.cpu_count():
+    while running and (name is None or len(running) >= os.cpu_count()):
+        pid, status = os.wait()
+        if status:
+            failed.append(running[pid])
+        del running[pid]
+        if name is None:
+            break
+    if name is None:
+        continue
+    pid = os.fork()
+    if pid == 0:  # a fresh interpreter but for torch: this module is the first of piecewise's imported
+        try:
+            __import__(name)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    running[pid] = name
+print("failed:", sorted(failed))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_every_module_imports_when_it_is_the_first_of_the_package_imported():
+    """``from piecewise.frontends.dynamo import ...`` in a fresh process must not hit an import cycle."""
+    import os
+    import subprocess
+    import sys
+
+    src = os.path.dirname(os.path.dirname(piecewise.__file__))
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST, src], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": src})
+    assert done.returncode == 0, done.stderr
+    assert "failed: []" in done.stdout, done.stdout + done.stderr[-3000:]

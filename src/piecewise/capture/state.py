@@ -9,6 +9,11 @@ from typing import Any
 import torch
 
 
+STATE_CHANGE = "a guard on model state failed"
+"""What ``Arguments.describe_change`` says when no argument changed: a retrace came from the model's own Python
+state."""
+
+
 class Phase(enum.Enum):
     """What a call does with the graphs."""
 

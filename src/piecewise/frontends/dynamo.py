@@ -19,7 +19,7 @@ import torch
 from .. import _compat
 from ..capture.compilers import make_compiler
 from ..capture.ladder import Ladder
-from ..capture.state import CaptureState
+from ..capture.state import STATE_CHANGE, CaptureState
 from ..capture.stats import Stats
 from ..config import CaptureConfig
 from ..errors import ForwardRefused
@@ -27,7 +27,6 @@ from ..graph.stack import node_stack
 from ..graph.tokens import is_token_tensor, token_mixing_nodes, user_line
 from ..graph.writes import accumulates, describe_write, writes_to_inputs
 from ..opaque import op_name, resolve_splitting_ops
-from ..runtime.arguments import STATE_CHANGE
 from .dynamo_graph import GraphRunner
 from .dynamo_trace import ForwardTracer, soften, state_guard_refusal
 

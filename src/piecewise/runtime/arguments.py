@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
+from ..capture.state import STATE_CHANGE
+
 logger = logging.getLogger(__name__)
 
-STATE_CHANGE = "a guard on model state failed"
-"""What ``describe_change`` says when no argument changed: a retrace came from the model's own Python state."""
 
 
 class Arguments:
