@@ -1,5 +1,6 @@
 """Capture cost of 51 sizes (vLLM's ladder to 512) on the L16 decode model, per front-end: first-call seconds,
-capture seconds, pool bytes, graphs.
+capture seconds, pool bytes, graphs. Each front-end runs in a process of its own (no kernel, cuDNN plan or
+Triton cache left by the other), under ``torch.inference_mode()`` as a server runs.
 
     PYTHONPATH=src python benchmarks/capture_cost.py [--out DIR] [--profile]
 
@@ -14,48 +15,81 @@ import datetime
 import json
 import os
 import pstats
+import subprocess
 import sys
 import time
 
 import torch
 
-import piecewise
-from piecewise.models.decode import L16, DecodeLlama
+FRONTENDS = ("breakable", "dynamo")
+
+
+def one(frontend: str, profile: bool) -> dict:
+    import piecewise
+    from piecewise.models.decode import L16, DecodeLlama
+
+    torch.manual_seed(0)
+    model = DecodeLlama(L16).to(device="cuda", dtype=torch.bfloat16).eval()
+    cache = model.make_kv_cache(128)
+    ids = torch.randint(0, L16.vocab_size, (128,), device="cuda")
+    positions = torch.full((128,), L16.max_seq_len - 1, device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):
+            model(ids[:8], positions[:8], cache)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(20):
+            model(ids[:8], positions[:8], cache)
+        torch.cuda.synchronize()
+        eager_ms = (time.perf_counter() - started) * 1e3 / 20
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=512, frontend=frontend))
+        profiler = cProfile.Profile() if profile else None
+        started = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        runner.capture(ids, positions, cache)
+        if profiler:
+            profiler.disable()
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+        first = time.perf_counter() - started
+    stats = runner.stats
+    return {"first_call_seconds": round(first, 3), "capture_seconds": round(stats["capture_seconds"], 3),
+            "sizes": len(stats["captured_sizes"]), "graphs": stats["graphs"], "pool_bytes": stats["pool_bytes"],
+            "eager_step_ms_b8": round(eager_ms, 3)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--one", choices=FRONTENDS, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model = DecodeLlama(L16).to(device="cuda", dtype=torch.bfloat16).eval()
-    cache = model.make_kv_cache(128)
-    ids = torch.randint(0, L16.vocab_size, (128,), device="cuda")
-    positions = torch.full((128,), L16.max_seq_len - 1, device="cuda")
+    if args.one:
+        print(json.dumps(one(args.one, args.profile)))
+        return 0
     rows = {}
-    for frontend in ("breakable", "dynamo"):
-        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=512, frontend=frontend))
-        profile = cProfile.Profile() if args.profile else None
-        started = time.perf_counter()
-        if profile:
-            profile.enable()
-        runner.capture(ids, positions, cache)
-        if profile:
-            profile.disable()
-            pstats.Stats(profile).sort_stats("tottime").print_stats(30)
-        stats = runner.stats
-        rows[frontend] = {"first_call_seconds": round(time.perf_counter() - started, 3),
-                          "capture_seconds": round(stats["capture_seconds"], 3), "sizes": len(stats["captured_sizes"]),
-                          "graphs": stats["graphs"], "pool_bytes": stats["pool_bytes"]}
-        runner.release_graphs()
+    for frontend in FRONTENDS:
+        command = [sys.executable, __file__, "--one", frontend] + (["--profile"] if args.profile else [])
+        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+        rows[frontend] = json.loads(done.stdout.strip().splitlines()[-1])
         print(frontend, rows[frontend], flush=True)
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "command": "PYTHONPATH=src python benchmarks/capture_cost.py " + " ".join(sys.argv[1:])}
+    lines = ["# Capture cost per front-end, L16 decode model, 51 sizes (vLLM ladder to 512)", "",
+             *(f"- {k}: {v}" for k, v in meta.items()), "- each front-end in a fresh process, torch.inference_mode()",
+             "", "| front-end | first call s | capture s | graphs | pool MiB | eager step ms (B=8, this host) |",
+             "|---|---|---|---|---|---|"]
+    for frontend, row in rows.items():
+        lines.append(f"| {frontend} | {row['first_call_seconds']} | {row['capture_seconds']} | {row['graphs']} | "
+                     f"{row['pool_bytes'] / 2**20:.0f} | {row['eager_step_ms_b8']} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "capture_cost.json"), "w") as f:
             json.dump({"meta": meta, "capture": rows}, f, indent=2)
+        with open(os.path.join(args.out, "capture_cost.md"), "w") as f:
+            f.write(text)
     return 0
 
 
