@@ -26,7 +26,7 @@ from piecewise.models.decode import L16
 from piecewise.models.llama import TinyLlama
 
 LENGTHS = (16, 256, 1024, 4096, 8192)  # on the sglang ladder: no padding
-BETWEEN = (20, 300, 2000, 5000)  # between ladder sizes: padded to the next one
+BETWEEN = (33, 257, 1025, 4097)  # one above a ladder size: the most padding (to 48, 288, 1280, 4608)
 CONFIG = dataclasses.replace(L16, max_seq_len=16384)
 
 
@@ -113,6 +113,13 @@ def main() -> int:
         cells = [f"{results[name][tokens]:.3f}" + (f" ({errors[name][tokens]:.1e})" if name in errors else "")
                  for name in results]
         lines.append(f"| {tokens} ({size}) | " + " | ".join(cells) + " |")
+    lines += ["", "Padded against unpadded: eager runs a call of T tokens as it is, which is what "
+              "CaptureConfig(max_padding_factor=...) falls back to for a call padded more than that factor:", ""]
+    for tokens in BETWEEN:
+        size = next(s for s in ladder if s >= tokens)
+        best = {name: round(results["eager"][tokens] / results[name][tokens], 2) for name in results if name != "eager"}
+        lines.append(f"- T={tokens} padded to {size} (factor {size / tokens:.2f}): eager / padded graphs " +
+                     ", ".join(f"{name} {ratio}" for name, ratio in best.items()))
     lines += ["", "Capture (first call: warm-up, trace where Dynamo, padding check, capture of every size):", ""]
     lines += [f"- {name}: " + ", ".join(f"{k} {v}" for k, v in info.items()) for name, info in capture.items()]
     text = "\n".join(lines)
