@@ -274,3 +274,49 @@ def test_a_call_with_other_arguments_than_the_capture_runs_without_graphs_with_o
             assert rel_error(runner(x, scale=3.0), model(x, scale=3.0)) <= 1e-6
         assert rel_error(runner(x, bias), model(x, bias)) <= 1e-6
         assert rel_error(runner(x), model(x)) <= 1e-6
+
+
+class TunedOnFirstUse(torch.nn.Module):
+    """A kernel library's layer: at its first call for each token count it tunes (a device synchronisation) and
+    uploads a table for that count (a host-to-device copy), both illegal while a CUDA graph captures."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.tables: dict[int, torch.Tensor] = {}
+
+    def forward(self, x):
+        tokens = x.shape[0]
+        if tokens not in self.tables:
+            torch.cuda.synchronize()
+            self.tables[tokens] = torch.tensor([1.0] * x.shape[-1], device=x.device, dtype=x.dtype)
+        return self.inner(x) * self.tables[tokens]
+
+
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full_and_piecewise"])
+def test_first_use_host_work_at_each_size_runs_in_its_warm_up_and_every_size_is_captured(graph_mode):
+    """Each size's padded run before its capture takes first-use host work (a tuning sync, an upload) out of
+    the capture, in full graphs and in piecewise ones: every size gets its graphs, equal to eager."""
+    from piecewise.models.llama import LlamaConfig, TinyLlama
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=128, max_seq_len=32)
+    torch.manual_seed(0)
+    model = TinyLlama(config).to("cuda").eval()
+    model.norm = TunedOnFirstUse(model.norm)
+    cache = model.make_kv_cache()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX_TOKENS, frontend="breakable",
+                                                              graph_mode=graph_mode))
+    reference = cache.clone()
+    with torch.no_grad():
+        for tokens in (MAX_TOKENS, 1, 3, 5, 7):
+            ids = torch.randint(0, 64, (tokens,), device="cuda")
+            positions = torch.arange(tokens, device="cuda") + tokens
+            replays = runner.stats["replays"]
+            out = runner(ids, positions, cache)
+            ref = model(ids, positions, reference)
+            assert rel_error(out, ref) <= 1e-5 and rel_error(cache, reference) <= 1e-5, tokens
+            assert runner.stats["replays"] > replays, tokens
+    sizes = piecewise.CaptureConfig(max_tokens=MAX_TOKENS).sizes
+    runner.stats.expect(frontend="breakable", captured_sizes=sizes, graph_mode=graph_mode,
+                        full_graphs=len(sizes) if graph_mode == "full_and_piecewise" else 0)
