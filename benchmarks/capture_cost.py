@@ -64,6 +64,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--one", choices=FRONTENDS, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("capture_cost.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     if args.one:
         print(json.dumps(one(args.one, args.profile)))
         return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import sys
 import time
 
 import torch
@@ -76,6 +77,9 @@ def main() -> int:
     parser.add_argument("--cudnn-off", action="store_true")
     parser.add_argument("--skip-warm-up", action="store_true")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("capture_phases.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     if args.cudnn_off:
         torch.backends.cuda.enable_cudnn_sdp(False)
     instrument(args.skip_warm_up)

@@ -9,6 +9,7 @@ so whichever front-end captures first in a process pays it once per size.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 import torch
@@ -38,6 +39,9 @@ def call(cache: torch.Tensor, batch: int, grad: bool) -> tuple[float, float]:
 
 
 def main() -> int:
+    if not torch.cuda.is_available():
+        print("sdpa_first_call.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     cache = torch.zeros(16, 2, 512, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
     offset = 0
