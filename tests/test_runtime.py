@@ -718,16 +718,18 @@ names = sorted("piecewise." + os.path.relpath(os.path.join(d, f), root)[:-3].rep
                for d, _, files in os.walk(root) for f in files if f.endswith(".py"))
 names = [n.removesuffix(".__init__") for n in names if n != "piecewise.__init__"]
 running, failed = {}, []
-for name in names + [None] * os.cpu_count():
-    while running and (name is None or len(running) >= os.cpu_count()):
-        pid, status = os.wait()
-        if status:
-            failed.append(running[pid])
-        del running[pid]
-        if name is None:
-            break
-    if name is None:
-        continue
+
+
+def reap():
+    pid, status = os.wait()
+    if status:
+        failed.append(running[pid])
+    del running[pid]
+
+
+for name in names:
+    if len(running) >= os.cpu_count():
+        reap()
     pid = os.fork()
     if pid == 0:  # a fresh interpreter but for torch: this module is the first of piecewise's imported
         try:
@@ -737,6 +739,8 @@ for name in names + [None] * os.cpu_count():
             os._exit(1)
         os._exit(0)
     running[pid] = name
+while running:
+    reap()
 print("failed:", sorted(failed))
 """
 

@@ -14,7 +14,6 @@ from ..capture.state import STATE_CHANGE
 logger = logging.getLogger(__name__)
 
 
-
 class Arguments:
     """What piecewise knows of the forward's arguments, from its signature and the first call."""
 
