@@ -70,6 +70,32 @@ def test_auto_takes_breakable_with_one_warning_naming_the_blocker_and_its_fix(ji
     assert runner.stats["frontend_reason"].startswith("Dynamo blocked")
 
 
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_auto_leaves_a_trace_that_pads_one_token_calls_unless_it_compiles_the_pieces(compiler):
+    """``cache[positions] = ...`` traces only for more than one token. With eager pieces Dynamo then gives the
+    same graphs as breakable at fewer sizes: auto takes breakable, which serves one token too, with no warning;
+    with inductor pieces it keeps Dynamo (and the fusion). Equal to eager at 1..max+1 either way."""
+    model = state_models.SetItemWriter()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX_TOKENS, compiler=compiler))
+    ours, theirs = torch.zeros(16, 8), torch.zeros(16, 8)
+    generator = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.filterwarnings("error", message="piecewise")  # a choice, not a failure
+        for tokens in (3, *range(1, MAX_TOKENS + 2)):
+            x = torch.randn(tokens, 8, generator=generator)
+            positions = torch.randperm(16, generator=generator)[:tokens]
+            torch.testing.assert_close(runner(x, positions, ours), model(x, positions, theirs), msg=str(tokens))
+            torch.testing.assert_close(ours, theirs, msg=f"{tokens} tokens: the cache")
+    if compiler == "eager":
+        runner.stats.expect(frontend="breakable", traces=0, size_notes=[])
+        assert runner.stats["capture_sizes"][0] == 1
+        assert "serves every size" in runner.stats["frontend_reason"]
+        assert "calls of 1 token are padded to 2" in runner.stats["frontend_reason"]
+    else:
+        runner.stats.expect(frontend="dynamo", traces=1)
+        assert runner.stats["capture_sizes"][0] == 2
+
+
 @pytest.mark.parametrize("attention", bm.ATTENTION)
 def test_auto_takes_dynamo_when_it_traces_the_forward_whole(attention):
     model = bm.make(None, attention)

@@ -65,7 +65,8 @@ class CaptureConfig:
     ops (pieces can be compiled with Inductor). ``"breakable"``: no tracing; the forward's Python runs under
     stream capture and each splitting op ends one graph and starts the next (cannot fail on Python Dynamo cannot
     trace; pieces are not compiled). ``"auto"``: Dynamo when it traces the forward with no blocker, else
-    breakable, with one warning naming each blocker and the fix that would bring Dynamo back."""
+    breakable, with one warning naming each blocker and the fix that would bring Dynamo back; breakable too when
+    the trace would pad one-token calls to 2 and ``compiler`` is ``"eager"`` (the same pieces, fewer sizes)."""
 
     max_padding_factor: float | None = None
     """Run a call without graphs when its capture size is more than this factor above its real token count

@@ -87,7 +87,13 @@ def prepare(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
         runner.stats.frontend = runner.frontend.name
         runner.state.preparing = True
         try:
-            check_padding(runner, arguments)
+            check_padding(runner, arguments)  # the Dynamo front-end traces here
+            dropped = _sizes_dropped_for_nothing(runner) if index < len(candidates) - 1 else None
+            if dropped:
+                logger.info("piecewise: %s", dropped)
+                _reset(runner)
+                reasons.append(dropped)
+                continue
             if runner.full.sizes:
                 check_full_padding(runner.full, arguments, tokens)
             if use_graphs:
@@ -146,6 +152,23 @@ def _reset_after(runner: "PiecewiseModel", exc: Exception) -> str:
         ", or choose a front-end with CaptureConfig(frontend=...) to skip this search:\n" + "\n\n".join(reasons),
         stacklevel=6,
     )
+    _reset(runner)
+    return summary
+
+
+def _sizes_dropped_for_nothing(runner: "PiecewiseModel") -> str | None:
+    """``frontend="auto"``: why to leave a Dynamo trace that holds, or None. A trace that serves not every size
+    (one-token calls padded to 2, ``Ladder.drop_one``) with pieces compiled by nothing (``compiler="eager"``) gives
+    the same graphs as breakable at fewer sizes; breakable captures each size with its own Python, the trace having
+    found no blocker in it."""
+    if runner.frontend.name != "dynamo" or runner.config.compiler != "eager" or not runner.ladder.notes:
+        return None
+    return (f"breakable, which serves every size: with compiler='eager' Dynamo's trace gains nothing, and there "
+            f"{runner.ladder.notes[0]}")
+
+
+def _reset(runner: "PiecewiseModel") -> None:
+    """Drop what the front-end in use made (graphs, pool, dropped sizes, trace counts) before the next."""
     if runner.state.pool is not None:
         torch.cuda.synchronize()
     runner.frontend.release()
@@ -156,7 +179,6 @@ def _reset_after(runner: "PiecewiseModel", exc: Exception) -> str:
     runner.ladder.sizes[:] = runner.config.sizes  # a size dropped for one front-end is served again
     runner.ladder.notes.clear()
     runner.stats.update(traces=0, pieces=0, eager_writes=0, graph_breaks=0, captured_sizes=[], graphs=0)
-    return summary
 
 
 def check_padding(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
