@@ -599,7 +599,7 @@ def test_a_trace_that_assumes_more_than_one_token_pads_one_token_calls_to_two():
 
     model = state_models.SetItemWriter()
     cache, expected = torch.zeros(16, 8), torch.zeros(16, 8)
-    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
     with torch.no_grad():
         for tokens, start in ((3, 0), (1, 3), (1, 4), (6, 5)):
             x, positions = torch.randn(tokens, 8), torch.arange(start, start + tokens)

@@ -112,9 +112,15 @@ def test_prefill_then_decode_equals_transformers(name):
     logits, expected, runner = prefill_then_decode(name)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     stats = runner.stats
-    assert stats["traces"] == 1 and stats["graph_breaks"] == 0 and stats["pieces"] == SMALL["num_hidden_layers"] + 1
-    if name == "DeepseekV3":  # one-token calls run padded to 2
-        assert stats["capture_sizes"][0] == 2
+    if name == "DeepseekV3":  # Dynamo's trace of MLA pads one-token calls to 2: auto takes breakable, which does not
+        assert stats["frontend"] == "breakable" and stats["capture_sizes"][0] == 1
+        assert "calls of 1 token are padded to 2" in stats["frontend_reason"]
+        logits, expected, dynamo = prefill_then_decode(name, frontend="dynamo")  # Dynamo still serves it, padded
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        assert dynamo.stats["traces"] == 1 and dynamo.stats["capture_sizes"][0] == 2
+    else:
+        assert stats["traces"] == 1 and stats["graph_breaks"] == 0
+    assert stats["pieces"] == SMALL["num_hidden_layers"] + 1
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -161,7 +167,7 @@ def test_sequences_decoding_together_through_slots_equal_transformers(name):
     got, expected, runner = decode_through_slots(name)
     for logits, reference in zip(got, expected):
         torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
-    assert runner.stats["traces"] == 1
+    assert runner.stats["frontend"] == ("breakable" if name == "DeepseekV3" else "dynamo")
 
 
 @pytest.mark.parametrize("name", NAMES)
