@@ -171,6 +171,15 @@ def test_doctor_reports_each_front_end_and_recommends_one():
     assert [b.kind for b in neither.breakable_blockers] == ["state_update"]
 
 
+def test_doctor_recommends_breakable_when_dynamos_trace_pads_one_token_calls_as_auto_does():
+    report = piecewise.doctor(state_models.SetItemWriter(), torch.randn(3, 8), torch.arange(3), torch.zeros(16, 8))
+    assert report.ok and report.size_notes[0].startswith("calls of 1 token are padded to 2")
+    choice, reason = report.recommended
+    assert choice == "breakable" and "frontend='auto' takes it" in reason and "compiler='inductor'" in reason
+    assert "use breakable" in str(report) and "cache[positions] = self.proj(x)" in str(report)
+    assert report.to_dict()["recommended"] == "breakable" and report.to_dict()["size_notes"] == report.size_notes
+
+
 @piecewise.opaque_op("test_breakable::offset_rows")
 def offset_rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x + positions[:, None].to(x.dtype)

@@ -279,8 +279,9 @@ def test_trial_capture_hook_runs_for_cuda_models(monkeypatch: pytest.MonkeyPatch
     calls = []
     illegal = Blocker("capture_illegal", "op synchronises", [], FIXES["capture_illegal"])
 
-    def trial_capture(model, args, kwargs):
+    def trial_capture(model, args, kwargs, size_notes=None):
         calls.append((model, args, kwargs))
+        size_notes.append("calls of 1 token are padded to 2: a note the report keeps")
         return [illegal]
 
     monkeypatch.setitem(sys.modules, "piecewise.runtime", types.SimpleNamespace(trial_capture=trial_capture))
@@ -289,6 +290,7 @@ def test_trial_capture_hook_runs_for_cuda_models(monkeypatch: pytest.MonkeyPatch
     report = doctor(model, bm.example_input())
     assert len(calls) == 1 and calls[0][0] is model
     assert report.blockers == [illegal] and report.trial_capture
+    assert report.size_notes == ["calls of 1 token are padded to 2: a note the report keeps"]
 
 
 def test_missing_trial_capture_hook_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

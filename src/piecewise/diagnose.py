@@ -44,6 +44,8 @@ class DoctorReport:
     """Hazards that block nothing but can give wrong numbers on CUDA graphs (see ``verify``)."""
     breakable_blockers: list[Blocker] | None = None
     """What stops the breakable front-end (its first call on the inputs), or None when it was not checked."""
+    size_notes: list[str] = field(default_factory=list)
+    """Sizes the Dynamo front-end's trace cannot serve ("calls of 1 token are padded to 2: ...")."""
 
     @property
     def ok(self) -> bool:
@@ -61,6 +63,10 @@ class DoctorReport:
     @property
     def recommended(self) -> tuple[str | None, str]:
         """The front-end to use, and why."""
+        if self.ok and self.size_notes:
+            return "breakable", (f"Dynamo traces the forward whole, but with it {self.size_notes[0]}. With "
+                                 f"compiler='eager' (the default) breakable runs the same pieces at every size, and "
+                                 f"frontend='auto' takes it; with compiler='inductor' auto keeps Dynamo, for the fusion")
         if self.ok:
             return "dynamo", "Dynamo traces the forward whole: its pieces can be compiled with Inductor"
         if self.breakable_blockers is not None and not self.breakable_blockers:
@@ -79,6 +85,7 @@ class DoctorReport:
             "frontends": self.frontends,
             "warnings": self.warnings,
             "recommended": self.recommended[0],
+            "size_notes": self.size_notes,
             "breakable_blockers": [b.to_dict() for b in self.breakable_blockers or []],
         }
 
@@ -97,6 +104,8 @@ class DoctorReport:
                                style="bold green"))
             for warning in self.warnings:
                 console.print(Text(f"warning: {warning}", style="yellow"))
+            if self.size_notes:
+                console.print(Text(f"front-ends: use {self.recommended[0]}: {self.recommended[1]}", style="bold"))
             return
         console.print(Text(f"{len(self.blockers)} capture blocker(s) found (torch {self.torch_version})",
                            style="bold red"))
@@ -150,15 +159,16 @@ def _on_cuda(model: Any) -> bool:
     return any(tensor.is_cuda for tensor in tensors)
 
 
-def _trial_capture(model: Any, args: tuple, kwargs: dict, hook: str = "trial_capture") -> list[Blocker] | None:
+def _trial_capture(model: Any, args: tuple, kwargs: dict, hook: str = "trial_capture",
+                   **options: Any) -> list[Blocker] | None:
     """Blockers from the runtime's trial first call (``hook``: ``trial_capture`` for the Dynamo front-end,
-    ``breakable_trial`` for the breakable one), or None when this runtime has none."""
+    ``breakable_trial`` for the breakable one; ``options`` go to it), or None when this runtime has none."""
     trial_capture = getattr(importlib.import_module("piecewise.runtime"), hook, None)
     if trial_capture is None:
         logger.debug("piecewise.runtime.%s is not available: skipping the trial capture", hook)
         return None
     try:
-        return list(trial_capture(model, args, kwargs))
+        return list(trial_capture(model, args, kwargs, **options))
     except Exception as exc:  # noqa: BLE001 - e.g. a Dynamo error the trace above reports too: as a blocker
         logger.debug("the trial first call raised %s", type(exc).__name__, exc_info=True)
         return blockers_from_exception(exc, root_file=_source_file(model))
@@ -189,7 +199,9 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
                 f"a working model: fix the eager error first, or check the example inputs"
             ) from exc
         blockers = find_blockers(forward, args, kwargs)
-        trial = _trial_capture(model, args, kwargs) if isinstance(model, torch.nn.Module) else None
+        size_notes: list[str] = []
+        trial = _trial_capture(model, args, kwargs, size_notes=size_notes) if isinstance(model, torch.nn.Module) \
+            else None
         seen = {str(b.location) for b in blockers}  # one report per line: the trace's, which comes first
         blockers.extend(b for b in trial or [] if str(b.location) not in seen)
         breakable = None
@@ -197,7 +209,7 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
             breakable = _trial_capture(model, args, kwargs, "breakable_trial")
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
                         first_call_checked=trial is not None, breakable_blockers=breakable,
-                        warnings=list(metadata.found.values()))
+                        warnings=list(metadata.found.values()), size_notes=size_notes)
 
 
 def _batch_first(model: Any, first: torch.Tensor) -> Blocker:

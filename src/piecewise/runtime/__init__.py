@@ -17,10 +17,12 @@ from .model import PiecewiseModel, compile
 __all__ = ["PiecewiseModel", "breakable_trial", "compile", "trial_capture"]
 
 
-def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: str = "dynamo") -> list:
+def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: str = "dynamo",
+                  size_notes: list[str] | None = None) -> list:
     """Run the runtime's first call on these inputs (capture sizes 1, 2 and the inputs' token count; CUDA
     graphs where the model is on CUDA) and return what it refuses as doctor blockers: ``capture_illegal`` (CUDA
-    only), ``token_mixing``, ``token_branch``, ``state_update``, ``token_argument_write``.
+    only), ``token_mixing``, ``token_branch``, ``state_update``, ``token_argument_write``. ``size_notes``, when
+    given, receives the runner's notes on sizes it cannot serve (one-token calls padded to 2).
 
     Used by ``piecewise.doctor``. The model runs several times on the inputs, as on a first call.
     """
@@ -42,6 +44,8 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: s
                         fix=FIXES[exc.kind.value])]
     finally:
         runner.release_graphs()
+        if size_notes is not None:
+            size_notes.extend(runner.stats["size_notes"])
     return []
 
 
