@@ -2,8 +2,10 @@
 capture seconds, pool bytes, graphs. Each front-end runs in a process of its own (no kernel, cuDNN plan or
 Triton cache left by the other), under ``torch.inference_mode()`` as a server runs.
 
-    PYTHONPATH=src python benchmarks/capture_cost.py [--out DIR] [--profile]
+    PYTHONPATH=src python benchmarks/capture_cost.py [--out DIR] [--profile] [--no-cudnn-sdpa]
 
+``--no-cudnn-sdpa`` turns off SDPA's cuDNN backend (torch 2.11 picks it for this model's decode attention and
+builds a plan at the first call of each shape, 42-74 ms: every capture size is a new shape).
 ``--profile`` prints where each front-end's first call spends its host time (cProfile, top 30 by own time).
 """
 
@@ -24,10 +26,11 @@ import torch
 FRONTENDS = ("breakable", "dynamo")
 
 
-def one(frontend: str, profile: bool) -> dict:
+def one(frontend: str, profile: bool, cudnn_sdpa: bool) -> dict:
     import piecewise
     from piecewise.models.decode import L16, DecodeLlama
 
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_sdpa)
     torch.manual_seed(0)
     model = DecodeLlama(L16).to(device="cuda", dtype=torch.bfloat16).eval()
     cache = model.make_kv_cache(128)
@@ -54,7 +57,7 @@ def one(frontend: str, profile: bool) -> dict:
         first = time.perf_counter() - started
     stats = runner.stats
     return {"first_call_seconds": round(first, 3), "capture_seconds": round(stats["capture_seconds"], 3),
-            "sizes": len(stats["captured_sizes"]), "graphs": stats["graphs"], "pool_bytes": stats["pool_bytes"],
+            "sizes": len(stats["captured_sizes"]), "warmed_sizes": len(stats["warmed_sizes"]), "graphs": stats["graphs"], "pool_bytes": stats["pool_bytes"],
             "eager_step_ms_b8": round(eager_ms, 3)}
 
 
@@ -62,17 +65,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--no-cudnn-sdpa", action="store_true")
     parser.add_argument("--one", choices=FRONTENDS, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("capture_cost.py needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.one:
-        print(json.dumps(one(args.one, args.profile)))
+        print(json.dumps(one(args.one, args.profile, not args.no_cudnn_sdpa)))
         return 0
     rows = {}
     for frontend in FRONTENDS:
-        command = [sys.executable, __file__, "--one", frontend] + (["--profile"] if args.profile else [])
+        command = [sys.executable, __file__, "--one", frontend] + (["--profile"] if args.profile else []) + \
+            (["--no-cudnn-sdpa"] if args.no_cudnn_sdpa else [])
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
         rows[frontend] = json.loads(done.stdout.strip().splitlines()[-1])
         print(frontend, rows[frontend], flush=True)
@@ -80,10 +85,11 @@ def main() -> int:
             "command": "PYTHONPATH=src python benchmarks/capture_cost.py " + " ".join(sys.argv[1:])}
     lines = ["# Capture cost per front-end, L16 decode model, 51 sizes (vLLM ladder to 512)", "",
              *(f"- {k}: {v}" for k, v in meta.items()), "- each front-end in a fresh process, torch.inference_mode()",
-             "", "| front-end | first call s | capture s | graphs | pool MiB | eager step ms (B=8, this host) |",
-             "|---|---|---|---|---|---|"]
+             f"- SDPA's cuDNN backend: {'off' if args.no_cudnn_sdpa else 'on (torch default)'}",
+             "", "| front-end | first call s | capture s | sizes warmed up | graphs | pool MiB | eager step ms (B=8, this host) |",
+             "|---|---|---|---|---|---|---|"]
     for frontend, row in rows.items():
-        lines.append(f"| {frontend} | {row['first_call_seconds']} | {row['capture_seconds']} | {row['graphs']} | "
+        lines.append(f"| {frontend} | {row['first_call_seconds']} | {row['capture_seconds']} | {row['warmed_sizes']} | {row['graphs']} | "
                      f"{row['pool_bytes'] / 2**20:.0f} | {row['eager_step_ms_b8']} |")
     text = "\n".join(lines) + "\n"
     print(text)

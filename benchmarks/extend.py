@@ -59,6 +59,7 @@ def capture_cost(model, cache, frontend: str, compiler: str, schedule: str, max_
     stats = runner.stats
     result = {"sizes": len(stats["captured_sizes"]), "capture_seconds": round(stats["capture_seconds"], 3),
               "first_call_seconds": round(first, 3), "pool_bytes": stats["pool_bytes"], "graphs": stats["graphs"],
+              "warmed_sizes": len(stats["warmed_sizes"]),
               "frontend": stats["frontend"]}
     return runner, result
 

@@ -54,7 +54,7 @@ class PieceRunner:
         try:
             output = self.compiled(*args)
         except Exception as exc:
-            abandon_capture(graph)
+            abandon_capture(graph, self.state)
             raise self._explain_failure(exc, args) from exc
         if end_capture(graph):
             graph.replay()  # give the outputs real values: the splitting op after this piece reads them
@@ -69,7 +69,7 @@ class PieceRunner:
         self.outputs[size] = map_tensors(self.outputs[size], _compat.non_owning_alias)
 
     def _explain_failure(self, exc: Exception, args: tuple) -> CaptureFailed:
-        node = find_capture_illegal_node(self.graph_module, args, self.state.pool)
+        node = find_capture_illegal_node(self.graph_module, args)
         where = ""
         if node is not None:
             trace = (node.meta.get("stack_trace") or "").strip().splitlines()
@@ -102,18 +102,31 @@ def end_capture(graph: torch.cuda.CUDAGraph) -> bool:
     return not empty
 
 
-def abandon_capture(graph: torch.cuda.CUDAGraph | None) -> None:
-    """End a capture that failed, and leave CUDA usable for what follows.
+def abandon_capture(graph: torch.cuda.CUDAGraph | None, state: CaptureState | None) -> None:
+    """End a capture that failed (``graph``; None when its ``capture_end`` already raised), and leave CUDA usable
+    for what follows.
 
-    When ``capture_end`` fails (an invalidated capture, an unjoined side stream), torch never tells the RNG
-    generators that capture ended, and every later random draw on the device raises "Offset increment outside
-    graph capture". One empty capture on a fresh stream ends their capture state."""
+    When ``capture_end`` fails (an invalidated capture, an unjoined side stream), torch tells neither the
+    allocators nor the RNG generators that capture ended. The device allocator's recording to the pool is ended
+    here; the pool is retired all the same (``CaptureState.retire_pool``: the pinned-host allocator's recording
+    cannot be ended from Python). Every later random draw on the device would raise "Offset increment outside
+    graph capture": one empty capture on a fresh stream ends the generators' capture state."""
+    ended = False
     if graph is not None:
         try:
             graph.capture_end()
+            ended = True
         except Exception:  # noqa: BLE001 - the capture is already invalid; the caller reports why
             pass
     torch.cuda.synchronize()
+    if not ended and state is not None and state.pool is not None:
+        end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end_pool is not None:
+            try:
+                end_pool(torch.cuda.current_device(), state.pool)
+            except RuntimeError:  # "not currently recording": capture_end got as far as ending it
+                pass
+        state.retire_pool()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         reset = torch.cuda.CUDAGraph()
@@ -125,8 +138,9 @@ def abandon_capture(graph: torch.cuda.CUDAGraph | None) -> None:
     torch.cuda.synchronize()
 
 
-def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple, pool: Any) -> torch.fx.Node | None:
-    """Run ``graph`` node by node, each node under its own trial capture; return the first that fails."""
+def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple) -> torch.fx.Node | None:
+    """Run ``graph`` node by node, each node under its own trial capture (in a pool of its own: a failed one is
+    never captured into again, ``abandon_capture``); return the first that fails."""
     env: dict[torch.fx.Node, Any] = {}
     arg_iter = iter(args)
     for node in graph.graph.nodes:
@@ -143,7 +157,7 @@ def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple, pool: An
         target = getattr(graph, node.target) if node.op == "call_module" else node.target
         trial = torch.cuda.CUDAGraph()
         try:
-            trial.capture_begin(pool=pool)
+            trial.capture_begin()
             try:
                 if node.op == "call_method":
                     env[node] = getattr(node_args[0], node.target)(*node_args[1:], **node_kwargs)
@@ -152,6 +166,6 @@ def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple, pool: An
             finally:
                 end_capture(trial)
         except Exception:
-            abandon_capture(None)
+            abandon_capture(None, None)
             return node
     return None

@@ -54,6 +54,9 @@ class CaptureState:
     preparing: bool = False
     """The first call is running its checks, warm-up and captures (``first_call.prepare``)."""
     pool: Any = None
+    """The graph pool captures go into (``capture_session`` makes it)."""
+    retired_pools: list[Any] = field(default_factory=list)
+    """Pools a capture failed in (``retire_pool``); the graphs captured into them before keep them alive."""
     workspace_graph: Any = None
     """The throwaway capture that made the capture stream's cuBLAS workspaces inside ``pool``."""
     static_storages: set[int] = field(default_factory=set)
@@ -68,6 +71,20 @@ class CaptureState:
     splitting_op_calls: int = 0
     probe: list | None = None
     """``verify`` sets a list here: every splitting-op call appends the tensors it is given (real rows)."""
+
+    def retire_pool(self) -> None:
+        """Give later captures a fresh pool after a capture that failed to end in ``pool``.
+
+        torch (2.11 on) then leaves the pool marked as recorded to in its pinned-host allocator as well as in the
+        device one, and only the device one can be ended from Python: a later capture into the pool raises
+        "beginAllocateToPool: already recording to mempool_id", and, raising after its generators' prologue, breaks
+        every later random draw on the device."""
+        self.retired_pools.append(self.pool)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def pools(self) -> list[Any]:
+        """Every pool that holds graphs: the retired ones and the current one."""
+        return [*self.retired_pools, *([self.pool] if self.pool is not None else [])]
 
 
 def probe_call(state: CaptureState, args: Any, kwargs: Any = None) -> None:

@@ -176,7 +176,7 @@ class _Interceptor(TorchDispatchMode):
         try:
             recorded = end_capture(graph)
         except RuntimeError as exc:
-            abandon_capture(None)
+            abandon_capture(None, self.frontend.state)
             if at != "the end of the forward":
                 at = f"{at} at {self._line()}"
             raise CaptureFailed(
@@ -192,7 +192,7 @@ class _Interceptor(TorchDispatchMode):
     def _abort(self) -> None:
         graph, self.graph = self.graph, None
         if graph is not None:
-            abandon_capture(graph)
+            abandon_capture(graph, self.frontend.state)
 
     # --- ops --------------------------------------------------------------------------------------------
 

@@ -174,11 +174,13 @@ def _reset(runner: "PiecewiseModel") -> None:
     runner.frontend.release()
     runner.full.release()
     runner.state.pool = runner.state.workspace_graph = None
+    runner.state.retired_pools.clear()
     runner.state.capture_done = False
     runner.state.captured_this_size.clear()
     runner.ladder.sizes[:] = runner.config.sizes  # a size dropped for one front-end is served again
     runner.ladder.notes.clear()
-    runner.stats.update(traces=0, pieces=0, eager_writes=0, graph_breaks=0, captured_sizes=[], graphs=0)
+    runner.stats.update(traces=0, pieces=0, eager_writes=0, graph_breaks=0, captured_sizes=[], warmed_sizes=[],
+                        graphs=0)
 
 
 def check_padding(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
@@ -228,30 +230,41 @@ def check_padding(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
             )
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _meet_other_ranks() -> None:
     """Tensor parallelism: every rank starts capturing a size together, so that no rank's capture overlaps
     another's eager collectives (the all-reduce splitting ops run between its graphs)."""
-    import torch.distributed as dist
+    if _distributed():
+        import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
 def capture_all(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
-    """Capture every size, largest first, into one pool: a padded run, then the capture, per size."""
+    """Capture every size, largest first, into one pool: a padded run, then the capture, per size (breakable: the
+    padded run only where it is needed, ``_capture_size``)."""
     state = runner.state
     tokens = arguments[next(iter(runner.arguments.dynamic))].shape[0]
     given = runner.arguments.given_tokens(arguments)
     started = time.perf_counter()
     sizes = [] if runner.full.mode == "full" else runner.ladder.sizes  # "full": no piecewise graph serves a call
+    # Breakable runs the model's own Python at capture, so a size needs no padded run before it once the first
+    # size has built what the forward builds on first use. Ranks skip nothing: a retry on one rank would leave
+    # the others waiting in its collectives.
+    warm_each = runner.frontend.name != "breakable" or _distributed()
     with capture_session(state, len(sizes) + len(runner.full.sizes)) as advance:
         runner.full.capture(arguments, tokens, advance)
-        for size in reversed(sizes):
+        for index, size in enumerate(reversed(sizes)):
             _meet_other_ranks()
             rows = min(tokens, size)
             staged = runner.stager.stage(runner.arguments.leading(arguments, rows), given, rows, size)
-            for phase in (Phase.PADDED, Phase.CAPTURE):
-                runner.run_call(Call(phase, size, rows), staged, rehearsal=True)
+            if not _capture_size(runner, Call(Phase.CAPTURE, size, rows), staged, warm=warm_each or index == 0):
+                warm_each = True  # it failed and retired the pool: no later size risks a third
             for captured in state.captured_this_size:
                 captured.release_outputs(size)
             if state.captured_this_size:
@@ -260,6 +273,29 @@ def capture_all(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
             advance()
     state.capture_done = True
     runner.stats.captured_sizes.sort()
+    runner.stats.warmed_sizes.sort()
     runner.stats.graphs = runner.frontend.graph_count()
     runner.stats.capture_seconds = time.perf_counter() - started
-    runner.stats.pool_bytes = _compat.graph_pool_bytes(state.pool) or 0
+    runner.stats.pool_bytes = sum(_compat.graph_pool_bytes(pool) or 0 for pool in state.pools())
+
+
+def _capture_size(runner: "PiecewiseModel", call: Call, staged: dict[str, Any], warm: bool) -> bool:
+    """Capture one size, after a padded run when ``warm``. Without one, a forward that does host work at the first
+    use of a token count (a tuning sync, a table upload: illegal while capturing) fails its capture; the size is
+    then run padded, which does that work, and captured again (into a fresh pool where the failure retired the
+    old one), so skipping the padded run changes no outcome. False when a failure retired the pool."""
+    state = runner.state
+    pools = len(state.retired_pools)
+    if not warm:
+        try:
+            runner.run_call(call, staged, rehearsal=True)
+            return True
+        except Exception as exc:  # noqa: BLE001 - whatever failed is retried the way every size used to run
+            logger.info("piecewise: the capture of %d tokens failed without a padded run before it (%s); running "
+                        "it padded and capturing again%s", call.size, str(exc).splitlines()[0] if str(exc) else
+                        type(exc).__name__, ", into a fresh pool" if len(state.retired_pools) > pools else "")
+            state.captured_this_size.clear()
+    runner.stats.warmed_sizes.append(call.size)
+    runner.run_call(Call(Phase.PADDED, call.size, call.num_tokens), staged, rehearsal=True)
+    runner.run_call(call, staged, rehearsal=True)
+    return len(state.retired_pools) == pools

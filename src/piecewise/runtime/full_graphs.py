@@ -139,7 +139,7 @@ class FullGraphs:
                 output = runner.run_call(Call(Phase.PADDED, size, rows, full=True), staged, rehearsal=True)
             except Exception as exc:  # noqa: BLE001 - whatever stops a whole-forward capture turns the family off
                 if graph is not None:
-                    abandon_capture(graph)
+                    abandon_capture(graph, state)
                 self.refuse(f"the forward cannot be captured whole at {size} tokens: {exc}")
                 return
             end_capture(graph)

@@ -201,6 +201,7 @@ class PiecewiseModel:
             self.frontend.release()
         self.full.release()
         state.pool = state.workspace_graph = None
+        state.retired_pools.clear()
         state.graphs_enabled = False
         self.stats.update(cuda_graphs=False, graphs=0, captured_sizes=[], pool_bytes=0)
 
