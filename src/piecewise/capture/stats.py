@@ -28,9 +28,10 @@ class Stats(MutableMapping):
     """Why the capture sizes differ from the configured ones (e.g. one-token calls padded to 2)."""
     captured_sizes: list[int] = field(default_factory=list)
     warmed_sizes: list[int] = field(default_factory=list)
-    """Piecewise sizes run padded before their capture. Breakable does so for the first (largest) size, and for a
-    size whose capture failed without it (first-use host work: a tuning sync, an upload), captured again after it;
-    Dynamo, and breakable under ``torch.distributed``, for every size. (Full-graph sizes always are.)"""
+    """Piecewise sizes run padded before their capture. Breakable does so for the first (largest) size, for a size
+    whose capture failed without it (first-use host work: a tuning sync, an upload), captured again after it, and
+    for every size after a failure that retired the pool; Dynamo, and breakable under ``torch.distributed``, for
+    every size. (Full-graph sizes always are.)"""
     graphs: int = 0
     capture_seconds: float = 0.0
     pool_bytes: int = 0
