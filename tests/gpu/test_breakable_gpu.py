@@ -278,12 +278,13 @@ def test_a_call_with_other_arguments_than_the_capture_runs_without_graphs_with_o
 
 
 class TunedOnFirstUse(torch.nn.Module):
-    """A kernel library's layer: at its first call for each token count it tunes (a device synchronisation) and
-    uploads a table for that count (a host-to-device copy), both illegal while a CUDA graph captures."""
+    """A kernel library's layer: at its first call for each token count it tunes (a device synchronisation,
+    ``sync``) and uploads a table for that count (a host-to-device copy), both illegal while a CUDA graph captures.
+    The sync invalidates the capture; the upload alone is refused by torch before it reaches the stream."""
 
-    def __init__(self, inner: torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, sync: bool):
         super().__init__()
-        self.inner = inner
+        self.inner, self.sync = inner, sync
         self.tables: dict[int, torch.Tensor] = {}
         self.first_use_in_capture: list[int] = []
 
@@ -292,24 +293,28 @@ class TunedOnFirstUse(torch.nn.Module):
         if tokens not in self.tables:
             if piecewise.context() is not None and piecewise.context().capturing:
                 self.first_use_in_capture.append(tokens)
-            torch.cuda.synchronize()
+            if self.sync:
+                torch.cuda.synchronize()
             self.tables[tokens] = torch.tensor([1.0] * x.shape[-1], device=x.device, dtype=x.dtype)
         return self.inner(x) * self.tables[tokens]
 
 
+@pytest.mark.parametrize("work", ["sync", "upload"])
 @pytest.mark.parametrize("graph_mode", ["piecewise", "full_and_piecewise"])
 def test_first_use_host_work_at_each_size_fails_its_capture_then_runs_in_a_warm_up_and_every_size_is_captured(
-        graph_mode):
+        graph_mode, work):
     """Breakable warms up only the first size; first-use host work at a later size (a tuning sync, an upload)
-    fails that size's capture: the size runs padded, then captures into a fresh pool, and later sizes warm up.
-    In full graphs (always warmed up) and piecewise ones, every size gets its graphs, equal to eager."""
+    fails that size's capture, and the size runs padded, then captures. A sync leaves the pool unusable: the
+    retry and every later size warm up in a fresh pool. An upload refused before it reached the stream leaves
+    the pool usable: only the sizes that failed warm up. In full graphs (always warmed up) and piecewise ones,
+    every size gets its graphs, equal to eager."""
     from piecewise.models.llama import LlamaConfig, TinyLlama
 
     config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                          intermediate_size=128, max_seq_len=32)
     torch.manual_seed(0)
     model = TinyLlama(config).to("cuda").eval()
-    model.norm = TunedOnFirstUse(model.norm)
+    model.norm = TunedOnFirstUse(model.norm, sync=work == "sync")
     cache = model.make_kv_cache()
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX_TOKENS, frontend="breakable",
                                                               graph_mode=graph_mode))
@@ -324,12 +329,14 @@ def test_first_use_host_work_at_each_size_fails_its_capture_then_runs_in_a_warm_
             assert rel_error(out, ref) <= 1e-5 and rel_error(cache, reference) <= 1e-5, tokens
             assert runner.stats["replays"] > replays, tokens
     sizes = piecewise.CaptureConfig(max_tokens=MAX_TOKENS).sizes
-    # The first size met first in its capture (not in the first call, the padding check or a full graph's
-    # warm-up) failed it once, retiring the pool; it and every smaller size then warmed up.
+    # Sizes met first in their capture (not in the first call, the padding check or a full graph's warm-up)
+    # failed it once.
     failed = model.norm.first_use_in_capture
     assert failed or graph_mode != "piecewise", "no size met its first use in its capture: nothing was tested"
-    warmed = sorted({MAX_TOKENS, *(size for size in sizes if failed and size <= failed[0])})
+    retired = bool(failed) and work == "sync"
+    warmed = sorted({MAX_TOKENS, *failed, *(size for size in sizes if retired and size <= failed[0])})
     runner.stats.expect(frontend="breakable", captured_sizes=sizes, graph_mode=graph_mode, warmed_sizes=warmed,
                         full_graphs=len(sizes) if graph_mode == "full_and_piecewise" else 0)
+    assert len(runner.state.retired_pools) == int(retired)
     assert runner.stats["pool_bytes"] > 0
     assert torch.randn(2, device="cuda").isfinite().all(), "random draws on the device work after the failures"
