@@ -61,3 +61,42 @@ def test_llama_mixed_prefill_and_decode_on_both_graph_families_equals_eager(fron
             assert rel_error(out, ref) <= 1e-2 and rel_error(cache, reference) <= 1e-2, tokens
     stats = runner.stats
     assert stats["full_replays"] > 0 and stats["replays"] > 0 and stats["full_graphs"] == 4
+
+
+@piecewise.opaque_op("full_graphs_gpu::syncing_scale", split=True, capturable=True)
+def syncing_scale(x: torch.Tensor) -> torch.Tensor:
+    """Claims it can run inside a full graph, but waits for the device (illegal while capturing)."""
+    torch.cuda.synchronize()
+    return x * 2
+
+
+class SyncsInsideTheFullGraph(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(syncing_scale(self.linear(x)))
+
+
+@pytest.mark.parametrize("frontend", ["breakable", "dynamo"])
+def test_a_full_graph_capture_that_fails_to_end_turns_full_graphs_off_and_the_pieces_capture_in_a_fresh_pool(
+        frontend):
+    """The sync invalidates the full graph's capture, which torch leaves recording to the pool: the pool is
+    retired, full graphs are turned off with one warning, and every piecewise size captures in a fresh pool (the
+    splitting op runs eagerly between the pieces), equal to eager."""
+    torch.manual_seed(0)
+    model = SyncsInsideTheFullGraph().cuda().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
+                                                              graph_mode="full_and_piecewise"))
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match=r"full graphs are off.*cannot be captured whole"):
+            out = runner(torch.randn(3, 16, device="cuda"))
+        for tokens in range(1, 10):
+            x = torch.randn(tokens, 16, device="cuda")
+            assert rel_error(runner(x), model(x)) <= 1e-5, tokens
+    runner.stats.expect(graph_mode="piecewise", cuda_graphs=True, full_graphs=0,
+                        captured_sizes=piecewise.CaptureConfig(max_tokens=8).sizes)
+    assert out.shape == (3, 16) and runner.stats["replays"] > 0
+    assert len(runner.state.retired_pools) == 1
+    assert torch.randn(2, device="cuda").isfinite().all(), "random draws on the device work after the failure"
