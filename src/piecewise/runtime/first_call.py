@@ -246,8 +246,8 @@ def _meet_other_ranks() -> None:
 
 
 def capture_all(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
-    """Capture every size, largest first, into one pool: a padded run, then the capture, per size (breakable: the
-    padded run only where it is needed, ``_capture_size``)."""
+    """Capture every size, largest first, into one pool (a second after a capture that fails to end): a padded
+    run, then the capture, per size (breakable: the padded run only where it is needed, ``_capture_size``)."""
     state = runner.state
     tokens = arguments[next(iter(runner.arguments.dynamic))].shape[0]
     given = runner.arguments.given_tokens(arguments)
@@ -255,7 +255,7 @@ def capture_all(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     sizes = [] if runner.full.mode == "full" else runner.ladder.sizes  # "full": no piecewise graph serves a call
     # Breakable runs the model's own Python at capture, so a size needs no padded run before it once the first
     # size has built what the forward builds on first use. Ranks skip nothing: a retry on one rank would leave
-    # the others waiting in its collectives.
+    # the others waiting in its collectives. Once a pool is retired, every size warms up: no third pool.
     warm_each = runner.frontend.name != "breakable" or _distributed()
     with capture_session(state, len(sizes) + len(runner.full.sizes)) as advance:
         runner.full.capture(arguments, tokens, advance)
@@ -263,8 +263,8 @@ def capture_all(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
             _meet_other_ranks()
             rows = min(tokens, size)
             staged = runner.stager.stage(runner.arguments.leading(arguments, rows), given, rows, size)
-            if not _capture_size(runner, Call(Phase.CAPTURE, size, rows), staged, warm=warm_each or index == 0):
-                warm_each = True  # it failed and retired the pool: no later size risks a third
+            warm = warm_each or index == 0 or bool(state.retired_pools)
+            _capture_size(runner, Call(Phase.CAPTURE, size, rows), staged, warm)
             for captured in state.captured_this_size:
                 captured.release_outputs(size)
             if state.captured_this_size:
@@ -279,23 +279,21 @@ def capture_all(runner: "PiecewiseModel", arguments: dict[str, Any]) -> None:
     runner.stats.pool_bytes = sum(_compat.graph_pool_bytes(pool) or 0 for pool in state.pools())
 
 
-def _capture_size(runner: "PiecewiseModel", call: Call, staged: dict[str, Any], warm: bool) -> bool:
+def _capture_size(runner: "PiecewiseModel", call: Call, staged: dict[str, Any], warm: bool) -> None:
     """Capture one size, after a padded run when ``warm``. Without one, a forward that does host work at the first
     use of a token count (a tuning sync, a table upload: illegal while capturing) fails its capture; the size is
     then run padded, which does that work, and captured again (into a fresh pool where the failure retired the
-    old one), so skipping the padded run changes no outcome. False when a failure retired the pool."""
+    old one), so skipping the padded run changes no outcome."""
     state = runner.state
-    pools = len(state.retired_pools)
     if not warm:
         try:
             runner.run_call(call, staged, rehearsal=True)
-            return True
+            return
         except Exception as exc:  # noqa: BLE001 - whatever failed is retried the way every size used to run
             logger.info("piecewise: the capture of %d tokens failed without a padded run before it (%s); running "
                         "it padded and capturing again%s", call.size, str(exc).splitlines()[0] if str(exc) else
-                        type(exc).__name__, ", into a fresh pool" if len(state.retired_pools) > pools else "")
+                        type(exc).__name__, ", into a fresh pool" if state.retired_pools else "")
             state.captured_this_size.clear()
     runner.stats.warmed_sizes.append(call.size)
     runner.run_call(Call(Phase.PADDED, call.size, call.num_tokens), staged, rehearsal=True)
     runner.run_call(call, staged, rehearsal=True)
-    return len(state.retired_pools) == pools
