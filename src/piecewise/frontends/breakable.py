@@ -147,6 +147,7 @@ class _Interceptor(TorchDispatchMode):
         super().__init__()
         self.frontend, self.rows, self.size, self.recording = frontend, rows, size, recording
         self.full = frontend.state.call.full
+        self.kinds = frontend.kinds
         self.graph: torch.cuda.CUDAGraph | None = None
         self.calls = 0
         self.where = "the start of the forward"
@@ -196,14 +197,21 @@ class _Interceptor(TorchDispatchMode):
 
     # --- ops --------------------------------------------------------------------------------------------
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # No Dynamo-disabling wrapper around ``__torch_dispatch__``: it runs for every op of every size's forward
+        # (a fifth of the mode's cost), and the splitting ops it calls then run as they do on replay.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kinds = self.frontend.kinds
-        kind = kinds.get(func)
+        kind = self.kinds.get(func)
+        if kind is _PLAIN:  # most ops: nothing to decide
+            return func(*args, **kwargs) if kwargs else func(*args)
         if kind is None:
-            kind = kinds[func] = _kind(func, self.frontend.splitting)
-        if kind is _PLAIN:
-            return func(*args, **kwargs)
+            kind = self.kinds[func] = _kind(func, self.frontend.splitting)
+            if kind is _PLAIN:
+                return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         if kind is _SPLIT:
             if self.full:  # inside a full graph: on the padded rows (the op reads the token mask)
                 return self._inline(func, args, kwargs)

@@ -112,14 +112,16 @@ def signature(arguments: dict[str, Any]) -> tuple:
 def token_outputs(func: Any, args: tuple, kwargs: dict, tokens: list[tuple[int, int]], rows: int,
                   result: list, cache: dict) -> list[bool] | None:
     """Which of a splitting op's outputs carry the token rows: its fake run with one row more tells (cached per
-    op and input shapes). None when the op has no fake to run."""
+    op and input shapes with the token dimensions left out, so once for every size). None when the op has no fake
+    to run."""
     leaves, spec = tree_flatten((args, kwargs))
-    key = (func, tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves))
+    dims = dict(tokens)
+    key = (func, tuple((_shape_but(leaf.shape, dims.get(index)), leaf.dtype) if isinstance(leaf, torch.Tensor)
+                       else None for index, leaf in enumerate(leaves)))
     if key in cache:
         return cache[key]
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    dims = dict(tokens)
     try:
         with FakeTensorMode() as mode:
             fakes = []
@@ -157,6 +159,11 @@ def token_outputs(func: Any, args: tuple, kwargs: dict, tokens: list[tuple[int, 
         found.append(moved == [0])
     cache[key] = found
     return found
+
+
+def _shape_but(shape: torch.Size, dim: int | None) -> tuple:
+    """``shape`` with dimension ``dim`` (the token dimension; None: none) left out."""
+    return tuple(None if d == dim else extent for d, extent in enumerate(shape))
 
 
 _WRITTEN: dict[Any, list[tuple[int, str]]] = {}
