@@ -257,3 +257,20 @@ def test_a_splitting_op_output_with_tokens_in_another_dimension_is_a_clear_error
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"test_breakable::scores returns an output of shape "
                                                             r"\(4, \d\) whose token dimension is 1, not 0"):
         runner(torch.randn(3, 4))
+
+
+@piecewise.opaque_op("test_breakable::pairs", split=True, fake=lambda q: q.new_empty(2 * q.shape[0], q.shape[1]))
+def pairs(q: torch.Tensor) -> torch.Tensor:
+    return torch.cat([q, -q])  # [2 * tokens, dim]: dimension 0 grows with the tokens, but twice as fast
+
+
+def test_a_splitting_op_output_whose_dimension_0_is_not_the_token_count_is_a_clear_error():
+    class Doubled(torch.nn.Module):
+        def forward(self, x):
+            return pairs(x * 2)[: x.shape[0]]
+
+    runner = piecewise.compile(Doubled(), piecewise.CaptureConfig(max_tokens=8, frontend="breakable"))
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"test_breakable::pairs returns an output of shape "
+                                                            r"\(\d+, 4\) for \d+ token\(s\): its dimension 0 grows with "
+                                                            r"the tokens but is not the token count"):
+        runner(torch.randn(3, 4))
