@@ -219,7 +219,7 @@ def test_str_report_shows_each_kind_frame_and_fix() -> None:
     for blocker in report.blockers:
         assert blocker.kind in text
         assert f"blocker_models.py:{blocker.location.line} in forward" in text
-    assert "capture-safe" not in text
+    assert "capture-safe: no blockers" not in text
 
 
 def _fullgraph_error(model: torch.nn.Module) -> Exception:

@@ -135,7 +135,7 @@ def test_padding_never_leaks_and_splitting_ops_see_real_rows():
             assert seen_rows[-1] == (tokens, tokens, 8)  # (an eager warm-up call may come first)
             assert torch.isfinite(out).all()
             torch.testing.assert_close(out, model(x))
-            buffer = runner.frontend.graph_runners[0].splitting_ops[0].buffers[0]
+            buffer = runner.frontend.graph_runners[0].splitting_ops[0].split.buffers[0].buffer
             assert torch.count_nonzero(buffer[tokens:]) == 0, "rows past the real tokens must read zero"
 
 
@@ -150,8 +150,15 @@ def test_forward_that_branches_on_the_token_count_is_refused():
                 return self.linear(x)
             return x
 
-    runner = piecewise.compile(Branchy(), piecewise.CaptureConfig(max_tokens=8))
+    runner = piecewise.compile(Branchy(), piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
     with pytest.raises(ValueError, match=r"depends on the token count.*x.shape\[0\] > 4.*capture size"):
+        runner(torch.randn(6, 4))
+    # auto: Dynamo's refusal moves it to breakable, which captures every size and finds where the path changes:
+    # between 4 and 8, where calls of 5..7 tokens would take the path of 8
+    runner = piecewise.compile(Branchy(), piecewise.CaptureConfig(max_tokens=8))
+    with pytest.warns(UserWarning, match="runs with the breakable front-end"), \
+            pytest.raises(ValueError, match=r"another path at 4 tokens than at 8.*`return self.linear\(x\)`.*calls of "
+                                            r"5..7 tokens, padded to 8"):
         runner(torch.randn(6, 4))
 
 
@@ -180,9 +187,8 @@ class WithOptionalState(torch.nn.Module):
 
 
 def test_a_state_tensor_first_passed_after_the_first_call_is_updated_in_place():
-    """First call without the state (None), then with it: the retrace reads and writes the caller's tensor in
-    place (it used to run on a private copy, losing the updates), and one-token calls after the retrace at 5
-    tokens stay correct."""
+    """First call without the state (None), then with it: another variant of the call, which runs the model's own
+    forward (one warning naming the argument) and so reads and writes the caller's tensor in place."""
     torch.manual_seed(0)
     model = WithOptionalState()
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
@@ -191,13 +197,13 @@ def test_a_state_tensor_first_passed_after_the_first_call_is_updated_in_place():
     with torch.no_grad():
         x = torch.randn(3, 4)
         torch.testing.assert_close(runner(x), model(x))
-        with pytest.warns(UserWarning, match="traced again"):
+        with pytest.warns(UserWarning, match="argument 'store' is given now and was not at the first call"):
             runner(inputs[0], store)
         model(inputs[0], expected_store)
         for x in inputs[1:]:
             torch.testing.assert_close(runner(x, store), model(x, expected_store))
             torch.testing.assert_close(store, expected_store)
-    assert runner.stats["traces"] == 2
+    assert runner.stats["traces"] == 1 and runner.stats["eager_calls"] == len(inputs)
     # a per-token tensor first given later is a token argument, as at the first call: a new one each call
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -206,15 +212,16 @@ def test_a_state_tensor_first_passed_after_the_first_call_is_updated_in_place():
             torch.testing.assert_close(runner(x, store, weights), model(x, expected_store, weights))
             torch.testing.assert_close(store, expected_store)
     assert runner.token_arguments == {"x": 0, "weights": 0}
-    # a retrace at one token is not specialised to it either (it used to trace a third time at 3 tokens)
+    # a first call with the state captures that variant, which every later call passes; the graphs update it
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
-    store = torch.full((1, 1, 4), -9.0)
+    store, expected_store = torch.full((1, 1, 4), -9.0), torch.full((1, 1, 4), -9.0)
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        runner(torch.randn(3, 4))
-        for tokens in (1, 3, 1):
-            runner(torch.randn(tokens, 4), store)
-    assert runner.stats["traces"] == 2
+        warnings.simplefilter("error")
+        for tokens in (3, 1, 3, 1):
+            x = torch.randn(tokens, 4)
+            torch.testing.assert_close(runner(x, store), model(x, expected_store))
+            torch.testing.assert_close(store, expected_store)
+    assert runner.stats["traces"] == 1 and runner.stats["eager_calls"] == 0
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -272,10 +279,11 @@ def test_changed_python_argument_retraces_with_one_warning_and_stays_correct():
     x = torch.randn(3, 4)
     with torch.no_grad():
         torch.testing.assert_close(runner(x, 2.0), model(x, 2.0))
-        with pytest.warns(UserWarning, match=r"argument 'scale': 2.0 -> 3.0"):
+        with pytest.warns(UserWarning, match=r"argument 'scale' is 3.0 and was 2.0 at the first call.*model's own "
+                                             r"forward"):
             out = runner(x, 3.0)
         torch.testing.assert_close(out, model(x, 3.0))
-    assert runner.stats["traces"] == 2
+    assert runner.stats["traces"] == 1 and runner.stats["eager_calls"] == 1
 
 
 class Scaled(torch.nn.Module):
@@ -300,13 +308,13 @@ def test_changed_module_attribute_is_caught_by_the_guards_of_the_direct_call():
         with pytest.warns(UserWarning, match="traced again"):
             out = runner(x)
         torch.testing.assert_close(out, model(x))
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # global state is guarded too
-            with pytest.warns(UserWarning, match="traced again"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # global state is checked on every call
+            with pytest.warns(UserWarning, match=r"global state changed since the first call \(autocast"):
                 out = runner(x)
             ref = model(x)
         assert out.dtype == ref.dtype == torch.bfloat16
         torch.testing.assert_close(out, ref)
-    assert runner.stats["traces"] == 3 and runner.stats["direct_calls"] == 2
+    assert runner.stats["traces"] == 2 and runner.stats["direct_calls"] == 2 and runner.stats["eager_calls"] == 1
 
 
 def test_model_state_changed_after_the_first_call_on_every_call_ends_in_the_named_error_not_dynamos():
@@ -607,13 +615,24 @@ def test_a_trace_that_assumes_more_than_one_token_pads_one_token_calls_to_two():
             torch.testing.assert_close(cache, expected)
     assert runner.stats["capture_sizes"][0] == 2 and runner.stats["eager_writes"] == 1
 
-    runner = piecewise.compile(state_models.SetItemWriter(), piecewise.CaptureConfig(capture_sizes=[1], max_tokens=1))
+    runner = piecewise.compile(state_models.SetItemWriter(),
+                               piecewise.CaptureConfig(capture_sizes=[1], max_tokens=1, frontend="dynamo"))
     with torch.no_grad(), pytest.raises(ValueError) as failure:
-        runner(torch.randn(3, 8), torch.arange(3), torch.zeros(16, 8))  # traced above max_tokens
+        runner(torch.randn(3, 8), torch.arange(3), torch.zeros(16, 8))  # above max_tokens: through the same trace
     message = str(failure.value)
     assert "depends on the token count" in message and "cache[positions] = self.proj(x)" in message
     assert f"{os.path.abspath(state_models.__file__)}:" in message  # torch's location cuts the path short
     assert "x.index_copy_(0, index, values)" in message
+    # auto takes breakable then, which runs the write at every size as it is written
+    model = state_models.SetItemWriter()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1], max_tokens=1))
+    cache, expected = torch.zeros(16, 8), torch.zeros(16, 8)
+    with torch.no_grad(), pytest.warns(UserWarning, match="runs with the breakable front-end"):
+        for tokens, start in ((3, 0), (1, 3), (2, 4)):
+            x, positions = torch.randn(tokens, 8), torch.arange(start, start + tokens)
+            torch.testing.assert_close(runner(x, positions, cache), model(x, positions, expected))
+            torch.testing.assert_close(cache, expected)
+    assert runner.stats["frontend"] == "breakable"
 
 
 @pytest.mark.parametrize("how, line", [("sum", "return h + h.sum(0)"), ("softmax", "return h.softmax(0)"),
@@ -695,7 +714,7 @@ def test_replacing_a_parameter_buffer_or_submodule_after_the_first_call_is_refus
         "submodule `second`": lambda m: setattr(m, "second", torch.nn.Linear(4, 4)),
         # assign=True assigns every entry anew; the first one assigned is reported
         "": lambda m: m.load_state_dict({**m.state_dict(), "first.bias": torch.randn(4)}, assign=True),
-        "the model's parameters moved (model.to()": lambda m: m.to(torch.float64),
+        "parameter(s) or buffer(s) changed (`first.weight` first: `.data = ...`, model.to()": lambda m: m.to(torch.float64),
     }
     for what, replace in replacements.items():
         model = Net()

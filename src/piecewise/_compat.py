@@ -64,35 +64,37 @@ def fake_mode_of(example_inputs: list[Any]):
     return torch._guards.detect_fake_mode(example_inputs)
 
 
+def _backed(symbol: Any) -> bool:
+    """A symbol of an input's size (``s0``), not one of a data-dependent size (``u0``: ``nonzero``, masks)."""
+    try:
+        from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+        return not symbol_is_type(symbol, SymT.UNBACKED_INT)
+    except ImportError:  # pragma: no cover - older torch
+        return not str(symbol).startswith("u")
+
+
 def is_plain_symbol(value: Any) -> bool:
-    """True for a SymInt that is one free symbol (a dynamic input dimension), not an expression."""
+    """True for a SymInt that is one free symbol of an input's size (a dynamic input dimension: the token count),
+    not an expression, nor a data-dependent size."""
     if not isinstance(value, torch.SymInt):
         return False
     expr = value.node.expr
-    return bool(getattr(expr, "is_Symbol", False))
+    return bool(getattr(expr, "is_Symbol", False)) and _backed(expr)
 
 
-def fresh_method(method: types.MethodType) -> types.MethodType:
-    """A copy of a bound method with its own code object.
+def data_dependent(tensor: torch.Tensor) -> bool:
+    """Whether a (fake) tensor's shape holds a data-dependent size (``nonzero``, boolean indexing)."""
+    return any(isinstance(extent, torch.SymInt) and not all(_backed(s) for s in extent.node.expr.free_symbols)
+               for extent in tensor.shape)
 
-    Dynamo caches compiled frames on the code object; a private copy keeps each compiled model's cache
-    apart (no recompile-limit fallbacks when many models of one class are compiled, no cross-talk).
-    """
-    function = getattr(method, "__func__", None)
-    if not isinstance(function, types.FunctionType):
-        return method
-    copy = types.FunctionType(
-        function.__code__.replace(),
-        function.__globals__,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
-    copy.__kwdefaults__ = function.__kwdefaults__
-    copy.__qualname__ = function.__qualname__
-    copy.__module__ = function.__module__
-    copy.__wrapped__ = function
-    return types.MethodType(copy, method.__self__)
+
+def symbolic(value: Any) -> bool:
+    """True for a SymInt whose value is computed from input sizes (the token count, or an expression of it)."""
+    if not isinstance(value, torch.SymInt):
+        return False
+    symbols = value.node.expr.free_symbols
+    return bool(symbols) and all(_backed(symbol) for symbol in symbols)
 
 
 def compiled_entry(code: types.CodeType) -> tuple[types.CodeType, Callable[[dict], bool]] | None:
@@ -129,38 +131,11 @@ def non_owning_alias(tensor: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-def storage_alias(base: torch.Tensor, rows: int) -> torch.Tensor:
-    """The first ``rows`` rows of ``base`` as a tensor that shares its storage but is not a view.
-
-    Dynamo guards views differently from plain tensors; inputs handed to the compiled forward must look
-    the same whether they come from a static buffer (padded calls) or from the user (calls above the
-    largest capture size), or the second kind would trigger a retrace.
-    """
-    alias = torch.empty((), dtype=base.dtype, device=base.device)
-    alias.set_(base.untyped_storage(), base.storage_offset(), (rows, *base.shape[1:]), base.stride())
-    return alias
-
-
 def compile_with_inductor(graph: torch.fx.GraphModule, example_inputs: list[Any]):
     """Inductor-compile one piece for the symbolic token dimension (called inside the Dynamo backend)."""
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(graph, example_inputs)
-
-
-def graph_pool_bytes(pool: Any) -> int | None:
-    """Bytes reserved by the CUDA graph memory pool ``pool`` (None if the allocator cannot say)."""
-    try:
-        segments = torch.cuda.memory_snapshot()
-    except Exception:  # pragma: no cover - allocator without snapshots
-        return None
-    wanted = tuple(pool) if isinstance(pool, (tuple, list)) else pool
-    total = 0
-    for segment in segments:
-        pool_id = segment.get("segment_pool_id")
-        if pool_id is not None and tuple(pool_id) == wanted:
-            total += int(segment.get("total_size", 0))
-    return total
 
 
 # Guards on the module tree's structure and tensors (names under ``self``): the types of submodules and of
@@ -285,3 +260,134 @@ def last_guard_failure(method: Any) -> tuple[str, tuple[str, int, str] | None] |
     frames = re.findall(r'File "(.+?)", line (\d+), in (\S+)', stack)
     frame = (frames[-1][0], int(frames[-1][1]), frames[-1][2]) if frames else None
     return " ".join(re.sub(r"^\d+/\d+: ", "", guard).split()), frame
+
+
+# --- side streams forked while a graph captures ------------------------------------------------------------------
+# A forward may fork a side stream from the capturing stream (``side.wait_stream(current)``, or an event recorded
+# on it that ``side`` waits for) and join it later than the next graph boundary (a splitting op). The capture
+# cannot end with the fork open ("capturing stream has unjoined work"). While piecewise captures, these hooks on
+# ``torch.cuda.Stream.wait_event`` and ``torch.cuda.Event.record`` note each fork, so that the graph's end can
+# join it, as SGLang's breakable graphs do; a later join of a stream joined that way is then a no-op (its work is
+# in the earlier graph). Installed for the length of a capture session only.
+_fork_sinks: dict[int, list] = {}
+"""Capturing stream's handle → the streams forked from it since its graph began."""
+_joined: set[int] = set()
+"""Handles of side streams a graph's end joined."""
+_stream_originals: dict[str, Any] = {}
+
+
+def _hooked_record(self, stream=None):
+    if stream is None:
+        stream = torch.cuda.current_stream()
+    try:
+        self._piecewise_stream = stream.cuda_stream
+    except AttributeError:  # an event type without a __dict__: not tracked
+        pass
+    return _stream_originals["record"](self, stream)
+
+
+def _hooked_wait_event(self, event):
+    source = getattr(event, "_piecewise_stream", None)
+    if source is not None and source != self.cuda_stream:
+        forks = _fork_sinks.get(source)
+        if forks is not None:  # a fork from a capturing stream
+            forks.append(self)
+            _joined.discard(self.cuda_stream)
+        elif self.cuda_stream in _fork_sinks and source in _joined:
+            return None  # a late join of a stream already joined at a graph's end
+    return _stream_originals["wait_event"](self, event)
+
+
+@contextlib.contextmanager
+def tracking_stream_forks() -> Iterator[None]:
+    """Note side streams forked from capturing streams while the block runs (see ``_fork_sinks``)."""
+    if _stream_originals:  # already tracking (a nested session)
+        yield
+        return
+    _stream_originals.update(record=torch.cuda.Event.record, wait_event=torch.cuda.Stream.wait_event)
+    torch.cuda.Event.record = _hooked_record
+    torch.cuda.Stream.wait_event = _hooked_wait_event
+    try:
+        yield
+    finally:
+        torch.cuda.Event.record = _stream_originals["record"]
+        torch.cuda.Stream.wait_event = _stream_originals["wait_event"]
+        _stream_originals.clear()
+        _fork_sinks.clear()
+        _joined.clear()
+
+
+def watch_forks(stream: Any) -> None:
+    """Start noting the streams forked from ``stream`` (which has just begun capturing)."""
+    _fork_sinks[stream.cuda_stream] = []
+
+
+def join_forks(stream: Any) -> int:
+    """Make ``stream`` wait for every stream forked from it since ``watch_forks``; returns how many."""
+    forks = _fork_sinks.pop(stream.cuda_stream, [])
+    seen: set[int] = set()
+    for side in forks:
+        if side.cuda_stream not in seen:
+            seen.add(side.cuda_stream)
+            stream.wait_stream(side)
+            _joined.add(side.cuda_stream)
+    return len(seen)
+
+
+# --- module attributes assigned -----------------------------------------------------------------------------------
+_assignment_callbacks: list = []  # weakref.WeakMethod of each callback
+_MODULE_SETATTR = torch.nn.Module.__setattr__  # as torch defines it
+
+
+def _watched_setattr(self, name, value):
+    if torch.compiler.is_compiling():  # first: Dynamo, tracing a forward's assignment, reads nothing of ours
+        return _MODULE_SETATTR(self, name, value)
+    _MODULE_SETATTR(self, name, value)
+    if _assignment_callbacks:
+        for reference in list(_assignment_callbacks):
+            callback = reference()
+            if callback is None:
+                _assignment_callbacks.remove(reference)
+            else:
+                callback(self, name)
+
+
+def on_module_assignment(callback: Callable[[torch.nn.Module, str], None]) -> None:
+    """Call the bound method ``callback(module, name)`` after each attribute assignment of any module (torch has
+    registration hooks for parameters, buffers and submodules only); it is dropped with its object. Wraps
+    ``nn.Module.__setattr__`` once; an assignment costs one list check while nothing listens."""
+    import weakref
+
+    if torch.nn.Module.__setattr__ is not _watched_setattr:
+        torch.nn.Module.__setattr__ = _watched_setattr
+    _assignment_callbacks.append(weakref.WeakMethod(callback))
+
+
+# --- global state a captured graph depends on --------------------------------------------------------------------
+def global_state_guard() -> Any:
+    """A snapshot of the global state a graph's kernels depend on (autocast, default dtype, TF32 and reduced-precision
+    reductions, deterministic algorithms, grad mode, torch-function state, threads): ``check()`` is True while it holds,
+    ``reason()`` names what changed. Dynamo's own global-state guard (0.3 µs a check)."""
+    return torch._C._dynamo.guards.GlobalStateGuard()
+
+
+# Parts of the global state that change no graph's numbers.
+BENIGN_GLOBAL_STATE = frozenset({"num_threads"})
+
+
+class Addresses:
+    """The data pointers of some tensors, all checked in one C++ call on CUDA builds (CUDA graph trees' check of
+    their static inputs). A build without CUDA has no graph to read an old address, and a traced piece takes the
+    parameters it reads as inputs on every call: there the first tensor is checked, which ``model.to()`` and
+    ``.half()`` move with the rest."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.pointers = [tensor.data_ptr() for tensor in tensors]
+        self.indices = list(range(len(tensors)))
+        self.check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+    def unchanged(self) -> bool:
+        if self.check is not None:
+            return self.check(self.tensors, self.pointers, self.indices)
+        return not self.tensors or self.tensors[0].data_ptr() == self.pointers[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +28,20 @@ class ForwardContext:
     real rows)."""
 
 
-_current: list[ForwardContext] = []
+class _Stack(threading.local):
+    """Each thread's own stack of contexts: a runner serving in one thread never sees another thread's call."""
+
+    def __init__(self) -> None:
+        self.items: list[ForwardContext] = []
+
+
+_stack = _Stack()
 
 
 def context() -> ForwardContext | None:
-    """The context of the piecewise call in progress, or None outside one (e.g. plain eager)."""
-    return _current[-1] if _current else None
+    """The context of the piecewise call in progress in this thread, or None outside one (e.g. plain eager)."""
+    items = _stack.items
+    return items[-1] if items else None
 
 
 class forward_context:
@@ -46,11 +55,11 @@ class forward_context:
         self.ctx = ForwardContext(num_tokens, padded_tokens, capturing, rehearsal, token_mask)
 
     def __enter__(self) -> ForwardContext:
-        _current.append(self.ctx)
+        _stack.items.append(self.ctx)
         return self.ctx
 
     def __exit__(self, *exc_info) -> None:
-        _current.pop()
+        _stack.items.pop()
 
 
 def redirect_padding(*tensors: Any) -> tuple:

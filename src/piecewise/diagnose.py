@@ -46,6 +46,9 @@ class DoctorReport:
     """What stops the breakable front-end (its first call on the inputs), or None when it was not checked."""
     size_notes: list[str] = field(default_factory=list)
     """Sizes the Dynamo front-end's trace cannot serve ("calls of 1 token are padded to 2: ...")."""
+    auto: tuple[str | None, str] | None = None
+    """What ``piecewise.compile(model)`` (``frontend="auto"``) did with these inputs: (the front-end it took, why),
+    or (None, "") where it refused them; None where it was not run (Dynamo takes the forward whole)."""
 
     @property
     def ok(self) -> bool:
@@ -62,7 +65,14 @@ class DoctorReport:
 
     @property
     def recommended(self) -> tuple[str | None, str]:
-        """The front-end to use, and why."""
+        """The front-end to use, and why: what ``frontend="auto"`` takes, where it was run."""
+        if self.auto is not None:
+            taken, reason = self.auto
+            if taken is None:
+                return None, "neither front-end can take the forward as it is: fix the blockers below"
+            inductor = "; with compiler='inductor' auto keeps Dynamo, for the fusion" if taken == "breakable" \
+                and self.size_notes and self.ok else ""
+            return taken, (f"frontend='auto' takes it ({reason})" if reason else "frontend='auto' takes it") + inductor
         if self.ok and self.size_notes:
             return "breakable", (f"Dynamo traces the forward whole, but with it {self.size_notes[0]}. With "
                                  f"compiler='eager' (the default) breakable runs the same pieces at every size, and "
@@ -204,12 +214,33 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
             else None
         seen = {str(b.location) for b in blockers}  # one report per line: the trace's, which comes first
         blockers.extend(b for b in trial or [] if str(b.location) not in seen)
-        breakable = None
-        if blockers and isinstance(model, torch.nn.Module):
-            breakable = _trial_capture(model, args, kwargs, "breakable_trial")
+        breakable = auto = None
+        outcome = _auto_trial(model, args, kwargs) if (blockers or size_notes) and isinstance(model, torch.nn.Module) \
+            else None
+        if outcome is not None:  # what compile(model) then does
+            taken, reason, refused = outcome
+            auto = (taken, reason)
+            # one blocker per problem: the trace's, where it named the line or the kind
+            kinds, lines = {b.kind for b in blockers}, {str(b.location) for b in blockers}
+            blockers.extend(b for b in refused if b.kind not in kinds and str(b.location) not in lines)
+            if taken != "breakable":
+                breakable = _trial_capture(model, args, kwargs, "breakable_trial")
+            else:
+                breakable = []
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
                         first_call_checked=trial is not None, breakable_blockers=breakable,
-                        warnings=list(metadata.found.values()), size_notes=size_notes)
+                        warnings=list(metadata.found.values()), size_notes=size_notes, auto=auto)
+
+
+def _auto_trial(model: Any, args: tuple, kwargs: dict) -> tuple[str | None, str, list[Blocker]] | None:
+    """What ``frontend="auto"`` does on the inputs (``runtime.auto_trial``), or None when this runtime has no trial."""
+    auto_trial = getattr(importlib.import_module("piecewise.runtime"), "auto_trial", None)
+    if auto_trial is None:
+        return None
+    try:
+        return auto_trial(model, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - e.g. a Dynamo error: as a blocker, compile would raise it too
+        return None, "", blockers_from_exception(exc, root_file=_source_file(model))
 
 
 def _batch_first(model: Any, first: torch.Tensor) -> Blocker:

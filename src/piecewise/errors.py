@@ -25,6 +25,9 @@ class BlockerKind(str, enum.Enum):
     STATE_GUARD = "state_guard"
     TOKEN_ARGUMENT_WRITE = "token_argument_write"
     BATCH_FIRST = "batch_first"
+    TOKEN_LAYOUT = "token_layout"
+    FROZEN_VALUE = "frozen_value"
+    SIDE_STREAM = "side_stream"
 
     def __str__(self) -> str:
         return self.value
@@ -48,6 +51,11 @@ class CaptureFailed(RuntimeError):
         super().__init__(message)
         self.node = node
         self.chain = list(chain or [])
+
+
+class CaptureOutOfMemory(RuntimeError):
+    """The device ran out of memory while the first call captured its graphs: the message says at which size, what
+    was captured by then and what to lower. Nothing is left half-captured (the runner can be compiled again)."""
 
 
 class CaptureBlockedError(RuntimeError):

@@ -21,6 +21,18 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
+def storage_alias(base: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``base`` as a tensor that shares its storage but is not a view.
+
+    Dynamo guards views differently from plain tensors; inputs handed to the compiled forward must look
+    the same whether they come from a static buffer (padded calls) or from the user (calls above the
+    largest capture size), or the second kind would trigger a retrace.
+    """
+    alias = torch.empty((), dtype=base.dtype, device=base.device)
+    alias.set_(base.untyped_storage(), base.storage_offset(), (rows, *base.shape[1:]), base.stride())
+    return alias
+
+
 class RowBuffer:
     """A static [max_tokens, ...] buffer written by leading rows; rows past the last write read zero.
 
@@ -74,7 +86,7 @@ class InputStager:
             staging.write(value, rows)
             alias = self.aliases.get((key, size))
             if alias is None:
-                alias = _compat.storage_alias(staging.buffer, size)
+                alias = storage_alias(staging.buffer, size)
                 _compat.mark_token_dim(alias, 0)
                 self.aliases[(key, size)] = alias
             staged[name] = alias

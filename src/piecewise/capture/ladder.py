@@ -28,6 +28,11 @@ class Ladder:
             return None
         return size
 
+    def drop_above(self, size: int, reason: str) -> None:
+        """Serve no call of more than ``size`` tokens with graphs (they run without padding)."""
+        self.sizes[:] = [s for s in self.sizes if s <= size]  # in place: the stats hold this list
+        self.notes.append(reason)
+
     def drop_one(self, reason: str) -> None:
         """Serve one-token calls with the next size (a trace that only holds for more than one token)."""
         if len(self.sizes) > 1 and self.sizes[0] == 1:

@@ -1,15 +1,18 @@
-"""One compiled piece: run it, capture it as a CUDA graph per size, replay it.
+"""One compiled piece of a traced graph: run it, capture it as a graph segment per size, replay it.
 
 Invariants that make replay correct:
 - every tensor a captured piece reads lives at a fixed address: static buffers (model inputs, splitting-op
   outputs, inputs produced by Python between graph breaks), parameters, static arguments, or outputs of
   earlier pieces of the same size;
 - pieces replay in capture order, so memory the shared pool reused during capture is live at replay exactly
-  when it was live during capture; piece outputs are kept as non-owning aliases so sizes share the pool.
+  when it was live during capture; piece outputs are kept as non-owning aliases so sizes share the pool;
+- a Python number among a piece's inputs (a value read in Python between graph breaks, a random draw) is baked
+  into its graph: a call that passes another runs the piece without the graph, writing where the graph writes.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +21,12 @@ import torch
 
 from .. import _compat
 from ..errors import CaptureFailed
+from .bounds import run_checked
 from .buffers import map_tensors
+from .segment import Segment, abandon_capture, end_capture
 from .state import CaptureState, Phase
+
+logger = logging.getLogger(__name__)
 
 
 class PieceRunner:
@@ -31,42 +38,85 @@ class PieceRunner:
         self.compiled = compiled
         self.state = state
         self.owner = owner
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.segments: dict[int, Segment] = {}
         self.outputs: dict[int, Any] = {}
+        self.scalars: dict[int, tuple] = {}
+        """Per size, the Python numbers among the inputs at capture (empty tuple: none)."""
+        self.warned = False
 
     def __call__(self, *args):
         state = self.state
         call = state.call
         if call.phase is Phase.REPLAY:
-            graph = self.graphs.get(call.size)
-            if graph is not None:
-                graph.replay()
+            segment = self.segments.get(call.size)
+            if segment is not None:
+                captured = self.scalars[call.size]
+                if captured and _scalars(args) != captured:
+                    return self._run_in_place(args, call.size)
+                segment.replay()
                 state.replays += 1
                 return self.outputs[call.size]
         elif call.phase is Phase.CAPTURE and self.owner.graphs_allowed:
             return self._capture(args)
+        elif call.checked:
+            return run_checked(self.graph_module, args, self.state.bounds)
         return self.compiled(*args)
 
     def _capture(self, args: tuple) -> Any:
         size = self.state.call.size
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.state.pool)
+        segment = Segment(self.state)
+        segment.begin()
         try:
             output = self.compiled(*args)
+        except torch.OutOfMemoryError:
+            segment.abandon()
+            raise
         except Exception as exc:
-            abandon_capture(graph, self.state)
+            segment.abandon()
             raise self._explain_failure(exc, args) from exc
-        if end_capture(graph):
-            graph.replay()  # give the outputs real values: the splitting op after this piece reads them
-            self.graphs[size] = graph
+        try:
+            recorded = segment.end()
+        except RuntimeError as exc:
+            raise CaptureFailed(
+                f"piecewise [capture_illegal]: {self.name} cannot be captured as a CUDA graph: {exc}. A side stream "
+                f"forked in it and not joined, or work that waits for the host, keeps its capture from ending."
+            ) from exc
+        if recorded:
+            segment.replay()  # give the outputs real values: the splitting op after this piece reads them
+            self.segments[size] = segment
             self.outputs[size] = output
+            self.scalars[size] = _scalars(args)
             self.state.captured_this_size.append(self)
         # else: the piece launched no kernel (views only); it keeps running eagerly, which costs no launch
         return output
 
+    def _run_in_place(self, args: tuple, size: int) -> Any:
+        """The piece without its graph (a Python number among its inputs differs from the capture's), its outputs
+        copied to where the graph writes them: the graphs after it read them there."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"piecewise: {self.name} takes Python numbers ({_scalars(args)} now, {self.scalars[size]} at its "
+                f"capture): a value read in Python between graph breaks, or drawn at random. Its graph would replay "
+                f"the capture's, so calls with other values run this piece without it. Compute the value on the "
+                f"device (a tensor), or inside a splitting op.", stacklevel=2)
+        output = self.compiled(*args)
+        for target, value in zip(torch.utils._pytree.tree_leaves(self.outputs[size]),
+                                 torch.utils._pytree.tree_leaves(output)):
+            if isinstance(target, torch.Tensor):
+                target.copy_(value)
+        return self.outputs[size]
+
     def release_outputs(self, size: int) -> None:
         """Swap this size's outputs for non-owning aliases so the pool can reuse them for other sizes."""
         self.outputs[size] = map_tensors(self.outputs[size], _compat.non_owning_alias)
+
+    def release(self) -> None:
+        self.segments.clear()
+        self.outputs.clear()
+
+    def graph_count(self) -> int:
+        return len(self.segments)
 
     def _explain_failure(self, exc: Exception, args: tuple) -> CaptureFailed:
         node = find_capture_illegal_node(self.graph_module, args)
@@ -84,58 +134,9 @@ class PieceRunner:
         )
 
 
-_EMPTY_GRAPH = "The CUDA Graph is empty"
-
-
-def end_capture(graph: torch.cuda.CUDAGraph) -> bool:
-    """End ``graph``'s capture; False when it recorded nothing. torch's warning about an empty graph is kept
-    from the user (an empty piece is expected: one made of views only); any other warning is passed on."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        graph.capture_end()
-    empty = False
-    for warning in caught:
-        if str(warning.message).startswith(_EMPTY_GRAPH):
-            empty = True
-        else:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    return not empty
-
-
-def abandon_capture(graph: torch.cuda.CUDAGraph | None, state: CaptureState | None) -> None:
-    """End a capture that failed (``graph``; None when its ``capture_end`` already raised), and leave CUDA usable
-    for what follows.
-
-    When ``capture_end`` fails (an invalidated capture, an unjoined side stream), torch tells neither the
-    allocators nor the RNG generators that capture ended. The device allocator's recording to the pool is ended
-    here; the pool is retired all the same (``CaptureState.retire_pool``: the pinned-host allocator's recording
-    cannot be ended from Python). Every later random draw on the device would raise "Offset increment outside
-    graph capture": one empty capture on a fresh stream ends the generators' capture state."""
-    ended = False
-    if graph is not None:
-        try:
-            graph.capture_end()
-            ended = True
-        except Exception:  # noqa: BLE001 - the capture is already invalid; the caller reports why
-            pass
-    torch.cuda.synchronize()
-    if not ended and state is not None and state.pool is not None:
-        end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end_pool is not None:
-            try:
-                end_pool(torch.cuda.current_device(), state.pool)
-            except RuntimeError:  # "not currently recording": capture_end got as far as ending it
-                pass
-        state.retire_pool()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        reset = torch.cuda.CUDAGraph()
-        try:
-            reset.capture_begin()
-            end_capture(reset)
-        except Exception:  # noqa: BLE001 - nothing was captured: nothing to undo
-            pass
-    torch.cuda.synchronize()
+def _scalars(args: tuple) -> tuple:
+    """The Python numbers among a piece's inputs, in order."""
+    return tuple(a for a in args if isinstance(a, (int, float, bool)))
 
 
 def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple) -> torch.fx.Node | None:
@@ -157,7 +158,7 @@ def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple) -> torch
         target = getattr(graph, node.target) if node.op == "call_module" else node.target
         trial = torch.cuda.CUDAGraph()
         try:
-            trial.capture_begin()
+            trial.capture_begin(capture_error_mode="thread_local")
             try:
                 if node.op == "call_method":
                     env[node] = getattr(node_args[0], node.target)(*node_args[1:], **node_kwargs)
@@ -165,6 +166,9 @@ def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple) -> torch
                     env[node] = target(*node_args, **node_kwargs)
             finally:
                 end_capture(trial)
+        except torch.OutOfMemoryError:
+            abandon_capture(None, None)
+            raise
         except Exception:
             abandon_capture(None, None)
             return node

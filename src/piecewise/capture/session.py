@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .. import _compat
+from .segment import end_capture
 from .state import CaptureState
 
 
@@ -38,27 +40,28 @@ def own_blas_workspaces(pool: object) -> torch.cuda.CUDAGraph:
     a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
     bias = torch.ones(16, device="cuda", dtype=torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
-    graph.capture_begin(pool=pool)
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         torch.mm(a, a)  # cuBLAS
         torch.addmm(bias, a, a)  # cuBLASLt (bias epilogue)
         torch.mm(a.float(), a.float())
     finally:
-        graph.capture_end()
+        end_capture(graph)
     return graph
 
 
 @contextlib.contextmanager
 def capture_session(state: CaptureState, sizes: int) -> Iterator[Callable[[], None]]:
     """Capture on a side stream into one new pool (``state.pool``), with the garbage collector frozen: a
-    collected CUDA tensor would free memory mid-capture. Yields a callable that marks one size done."""
+    collected CUDA tensor would free memory mid-capture. Side streams the forward forks are noted for the graphs'
+    ends to join. Yields a callable that marks one size done. (Runs inside a runner call: ``RUNNER_LOCK`` is held.)"""
     state.pool = torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     gc.collect(1)  # the young generations (a full collection costs about 0.1 s with torch imported)
     gc.freeze()
     try:
-        with torch.cuda.stream(stream), _progress(sizes) as progress:
+        with torch.cuda.stream(stream), _compat.tracking_stream_forks(), _progress(sizes) as progress:
             state.workspace_graph = own_blas_workspaces(state.pool)
             task = progress.add_task("capturing CUDA graphs", total=sizes) if progress else None
             yield (lambda: progress.advance(task)) if progress else (lambda: None)

@@ -38,6 +38,9 @@ class Call:
     """Real token count."""
     full: bool = False
     """A full-graph call: capturable splitting ops run on the padded rows, inside the graph of the forward."""
+    checked: bool = False
+    """A rehearsal whose ops' index bounds are checked (``runtime.bounds``): compiled pieces run their FX graph
+    instead, op by op, so that the check sees each."""
 
 
 IDLE = Call(Phase.DIRECT, 0, 0)
@@ -63,12 +66,17 @@ class CaptureState:
     """Storages of the model's parameters and buffers and of its static arguments."""
     stable_ptrs: set[int] = field(default_factory=set)
     """Addresses that never move: parameters, buffers, static arguments, piecewise's input buffers."""
-    token_outputs: dict[int, bool] = field(default_factory=dict)
-    """id of each tensor a graph returned in this call → whether it carries the token dimension."""
+    buffer_storages: set[int] = field(default_factory=set)
+    """Storages of the splitting calls' output buffers (outside the graph pool)."""
+    token_outputs: dict[int, int | None] = field(default_factory=dict)
+    """id of each tensor the forward returned in this call → its token dimension (None: it has none), where the
+    front-end knows it (``PiecewiseModel.finish`` cuts the others by their shape)."""
     captured_this_size: list[Any] = field(default_factory=list)
     """Runners that recorded a graph for the size being captured (their outputs become non-owning aliases)."""
     replays: int = 0
     splitting_op_calls: int = 0
+    bounds: Any = None
+    """The ``BoundsCheck`` of a rehearsal run with ``Call.checked``."""
     probe: list | None = None
     """``verify`` sets a list here: every splitting-op call appends the tensors it is given (real rows)."""
 
@@ -86,8 +94,27 @@ class CaptureState:
         """Every pool that holds graphs: the retired ones and the current one."""
         return [*self.retired_pools, *([self.pool] if self.pool is not None else [])]
 
+    def pool_bytes(self) -> int:
+        """Bytes the graph pools hold (0 where the allocator cannot say)."""
+        return sum(_pool_bytes(pool) or 0 for pool in self.pools())
+
 
 def probe_call(state: CaptureState, args: Any, kwargs: Any = None) -> None:
     """Record a splitting-op call's tensor inputs for ``verify`` (copies: the buffers are overwritten later)."""
     leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
     state.probe.append([leaf.detach().clone() for leaf in leaves if isinstance(leaf, torch.Tensor)])
+
+
+def _pool_bytes(pool: Any) -> int | None:
+    """Bytes reserved by the CUDA graph memory pool ``pool`` (None if the allocator cannot say)."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except Exception:  # pragma: no cover - allocator without snapshots
+        return None
+    wanted = tuple(pool) if isinstance(pool, (tuple, list)) else pool
+    total = 0
+    for segment in segments:
+        pool_id = segment.get("segment_pool_id")
+        if pool_id is not None and tuple(pool_id) == wanted:
+            total += int(segment.get("total_size", 0))
+    return total

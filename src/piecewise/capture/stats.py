@@ -41,6 +41,10 @@ class Stats(MutableMapping):
     fallback_calls: int = 0
     """Calls run without padding or graphs: above the top of the graphs, or over ``max_padding_factor``."""
     padded_calls: int = 0
+    eager_calls: int = 0
+    """Calls that ran the model's own forward: they differ from the first call in what the graphs depend on (an
+    argument's dtype or device, autocast, train mode, a Python argument; ``runtime/guards.py``), with one warning
+    per difference."""
     traces: int = 0
     """Dynamo traces (0 with the breakable front-end)."""
     direct_calls: int = 0

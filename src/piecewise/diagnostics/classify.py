@@ -67,9 +67,29 @@ FIXES: dict[str, str] = {
     ),
     "state_guard": (
         "Dynamo compiles the forward for the Python state it saw (a list it appends to, a counter, a flag) and "
-        "traces it again whenever that state differs, here on every call. Keep such state out of forward (collect "
-        "it after the call, or count in a tensor on the device), or use CaptureConfig(frontend='breakable'), "
-        "which runs the forward's Python as written on every call that is not a replay."
+        "traces it again whenever that state differs, here on every call. Keep such state out of forward (collect it "
+        "after the call, count in a tensor on the device), pass the value in as a tensor argument, or use "
+        "CaptureConfig(frontend='breakable') (frontend='auto' takes it), which runs the forward's Python at capture "
+        "and refuses a value its graphs would keep (replays run no Python: a hook or a log line runs at capture "
+        "only)."
+    ),
+    "frozen_value": (
+        "A captured graph keeps the Python values of its capture: a number drawn with random, read from a clock or "
+        "a counter, or from an attribute set between calls, would stay the one seen at capture. Compute such values "
+        "on the device (torch.rand(..., device=x.device) instead of random.random()), pass them in as tensor "
+        "arguments, or read them inside a splitting op (piecewise.opaque_op(..., split=True)), which runs on every "
+        "call."
+    ),
+    "token_layout": (
+        "piecewise pads each call to a capture size and cuts it back, so the token count must appear as itself: one "
+        "row per token in one dimension (dimension 0 for a splitting op's outputs), and a splitting op given the "
+        "count as a number gets the count itself (x.shape[0]), not an expression of it. Reshape [tokens * n, ...] "
+        "to [tokens, n, ...] around the op, and compute derived numbers inside it."
+    ),
+    "side_stream": (
+        "Dynamo's trace of this torch keeps the forward's side streams as objects the graph cannot be split around. "
+        "Use CaptureConfig(frontend='breakable') (frontend='auto' takes it), which joins a side stream left open at "
+        "a splitting op, or fork and join the stream inside a splitting op."
     ),
     "token_argument_write": (
         "The written tensor was taken for a token argument (its first dimension equals the call's token count), "

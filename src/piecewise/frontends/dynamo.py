@@ -18,42 +18,51 @@ import torch
 
 from .. import _compat
 from ..capture.compilers import make_compiler
-from ..capture.ladder import Ladder
-from ..capture.state import STATE_CHANGE, CaptureState
-from ..capture.stats import Stats
-from ..config import CaptureConfig
-from ..errors import ForwardRefused
+from ..capture.state import STATE_CHANGE
+from ..errors import CaptureFailed, ForwardRefused
 from ..graph.stack import node_stack
-from ..graph.tokens import is_token_tensor, token_mixing_nodes, user_line
+from ..graph.tokens import is_token_tensor, node_place, token_mixing_nodes, user_line
 from ..graph.writes import accumulates, describe_write, writes_to_inputs
 from ..opaque import op_name, resolve_splitting_ops
+from .base import Parts, register
 from .dynamo_graph import GraphRunner
 from .dynamo_trace import ForwardTracer, soften, state_guard_refusal
 
 logger = logging.getLogger(__name__)
 
 
+@register
 class DynamoFrontend:
-    """Runs the forward through one Dynamo trace whose backend returns ``GraphRunner``s."""
+    """Runs the forward through one Dynamo trace whose backend returns ``GraphRunner``s.
+
+    ``on_blocker``: what Python Dynamo cannot trace does to the trace (``ForwardTracer``)."""
 
     name = "dynamo"
+    warms_every_size = True
+    """Each size runs padded before its capture: compiled pieces compile and tune their kernels there."""
+    runs_every_size = False
+    """One trace serves every size: its guards say where the forward depends on the token count."""
+    replays_python = True
+    """Each call runs Dynamo's bytecode of the forward (its Python side effects included) around the graphs."""
 
-    def __init__(self, model: torch.nn.Module, config: CaptureConfig, state: CaptureState, ladder: Ladder,
-                 stats: Stats, describe_change: Callable[[], str], on_blocker: str, token_names: Callable[[], list]):
-        self.config = config
-        self.state = state
-        self.ladder = ladder
-        self.stats = stats
-        self.describe_change = describe_change
-        self.compiler = make_compiler(config.compiler)
+    def __init__(self, parts: Parts, on_blocker: str = "break"):
+        self.config = parts.config
+        self.state = parts.state
+        self.ladder = parts.ladder
+        self.stats = parts.stats
+        self.describe_change = parts.describe_change
+        self.compiler = make_compiler(parts.config.compiler)
         self.graph_runners: list[GraphRunner] = []
-        self.tracer = ForwardTracer(model, self.backend, on_blocker)
+        self.tracer = ForwardTracer(parts.model, self.backend, on_blocker)
         self.traced_in_call = False
-        self.token_names = token_names
+        self.token_names = parts.token_names
         self.guard_failures = len(_compat.guard_failures(self.tracer.method))  # Dynamo's record at the last trace
 
     def splitting_ops(self) -> frozenset[str]:
         return resolve_splitting_ops(self.config.splitting_ops)
+
+    def prepare(self, rehearse: Callable[[Any], Any], tokens: int) -> None:
+        """Nothing before the padding check: its first run traces."""
 
     def run(self, arguments: dict[str, Any]) -> Any:
         """The forward on ``arguments`` (staged for a padded call) for ``state.call``."""
@@ -78,7 +87,8 @@ class DynamoFrontend:
         if self.traced_in_call:
             self.stats.traces += 1
         self.stats.replays += self.state.replays - replays
-        self.stats.direct_calls = self.tracer.direct_calls
+        if self.tracer.last_direct and not self.state.preparing:
+            self.stats.direct_calls += 1
         return output
 
     def release(self) -> None:
@@ -86,11 +96,10 @@ class DynamoFrontend:
         for runner in self.graph_runners:
             runner.graphs_allowed = False
             for piece in runner.pieces:
-                piece.graphs.clear()
-                piece.outputs.clear()
+                piece.release()
 
     def graph_count(self) -> int:
-        return sum(len(piece.graphs) for runner in self.graph_runners for piece in runner.pieces)
+        return sum(piece.graph_count() for runner in self.graph_runners for piece in runner.pieces)
 
     # --- the backend ------------------------------------------------------------------------------------
 
@@ -108,6 +117,10 @@ class DynamoFrontend:
                 f"dynamic={{...}} naming only the real token arguments.",
                 "token_argument_write", node_stack(writer),
             )
+        _refuse_streams(graph)
+        _refuse_host_values(graph)
+        if self.tracer.graph_breaks:
+            _refuse_mixed_values(graph, self.state)
         splitting = self.splitting_ops()
         runner = GraphRunner(graph, self.state, self.compiler, splitting, static_writes(graph, token_inputs, splitting),
                              after_break=self.tracer.graph_breaks)
@@ -119,7 +132,8 @@ class DynamoFrontend:
         if self.tracer.graph_breaks:
             return  # with graph breaks Dynamo keeps the shape guards and traces again where one fails
         sizes = self.ladder.sizes
-        failures = _compat.token_guard_failures(example_inputs, sizes)
+        # The capture sizes, and one above the top: calls above it run through the same trace, unpadded.
+        failures = _compat.token_guard_failures(example_inputs, [*sizes, sizes[-1] + 1])
         if failures and {size for _, _, size in failures} == {1} and len(sizes) > 1 and self.stats.traces == 0 \
                 and not self.state.capture_done:
             # The trace assumes more than one token (a broadcasting check in indexing or copy_, DeepSeek-V3's
@@ -131,15 +145,18 @@ class DynamoFrontend:
         if failures:
             condition, where, size = failures[0]
             hint = ""
-            if size == 1 and re.fullmatch(r"(Ne|Eq)\(\w+,1\)", condition.replace(" ", "")):
+            if re.fullmatch(r"(Ne|Eq)\(\w+,1\)", condition.replace(" ", "")):
                 hint = (" A check against one token usually comes from broadcasting, e.g. in `x[index] = values`: "
                         "`x.index_copy_(0, index, values)` or `x.index_put_((index,), values)` trace without it.")
             located = re.search(r"# (\S+):(\d+) in (\w+)", where)
             raise ForwardRefused(
                 f"piecewise: the forward depends on the token count: it evaluates `{condition}` at {where}, "
-                f"which is false for capture size {size}. One trace serves every token count, so the forward "
-                f"must not branch on it: move the branch out of forward, or make that code a splitting op "
-                f"(piecewise.opaque_op(..., split=True)); frontend='breakable' runs the branch per size.{hint}",
+                f"which is false for {'capture size' if size in sizes else 'calls of'} {size}"
+                f"{'' if size in sizes else ' tokens (above the top of the graphs, run through the same trace)'}. "
+                f"One trace serves every token count, so the forward must not branch on it: move the branch out of "
+                f"forward, or make that code a splitting op (piecewise.opaque_op(..., split=True)). The breakable "
+                f"front-end (which frontend='auto' tries next) serves a branch only where the capture sizes bound it "
+                f"exactly, such as one path for one token and another above.{hint}",
                 "token_branch",
                 [traceback.FrameSummary(located[1], int(located[2]), located[3])] if located else [],
             )
@@ -179,6 +196,98 @@ class DynamoFrontend:
         nodes = [node for runner in self.graph_runners for piece in runner.pieces
                  for node in token_mixing_nodes(piece.graph_module)]
         return mixing_places(nodes)
+
+
+_STREAM_METHODS = frozenset({"wait_stream", "wait_event", "record_event", "record", "synchronize", "query"})
+
+
+def _refuse_streams(graph: torch.fx.GraphModule) -> None:
+    """A trace that keeps the forward's side streams as objects (torch 2.11: ``get_external_object_by_index`` and
+    their ``wait_stream`` calls) cannot be split into pieces around its splitting ops."""
+    for node in graph.graph.nodes:
+        external = node.op == "call_function" and "external_object" in getattr(node.target, "__name__", "")
+        if external or (node.op == "call_method" and node.target in _STREAM_METHODS):
+            raise ForwardRefused(
+                f"piecewise: the forward works with CUDA streams (at {node_place(node)}), which this torch's Dynamo "
+                f"trace keeps as objects the "
+                f"graph cannot be split around.", "side_stream", node_stack(node))
+
+
+_HOST_VALUE_METHODS = frozenset({"item", "tolist"})
+_HOST_VALUE_OPS = frozenset({"aten::_local_scalar_dense", "aten::item"})
+
+
+def _refuse_host_values(graph: torch.fx.GraphModule) -> None:
+    """A traced ``.item()`` / ``.tolist()`` (torch traces them into the graph) waits for the device: illegal while a
+    graph captures, and on a padded call its value comes from the padding rows too. Refused on every device, as the
+    breakable front-end refuses it, so that a CPU run answers as a CUDA one. Not refused: ``.item()`` of a graph
+    input on the host (Dynamo lifts a Python float into a CPU tensor and reads it back that way)."""
+    for node in graph.graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op != "placeholder" and isinstance(value, torch.Tensor) and _compat.data_dependent(value):
+            raise CaptureFailed(
+                f"piecewise [capture_illegal]: {node_place(node)} makes a tensor whose shape depends on tensor values "
+                f"(nonzero, boolean indexing, unique): the host must wait for the device to size it, which is illegal "
+                f"while a CUDA graph captures, and on a padded call the padding rows would count too. Keep shapes "
+                f"static (torch.where, a mask multiply), or move the code into a splitting op "
+                f"(piecewise.opaque_op(..., split=True)).", node=node)
+        if (node.op == "call_method" and node.target in _HOST_VALUE_METHODS) or \
+                (node.op == "call_function" and op_name(node.target) in _HOST_VALUE_OPS):
+            source = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+            value = source.meta.get("example_value") if source is not None else None
+            if source is not None and source.op == "placeholder" and isinstance(value, torch.Tensor) \
+                    and value.device.type == "cpu":
+                continue
+            raise CaptureFailed(
+                f"piecewise [capture_illegal]: `.{node.target}()` at {node_place(node)} waits "
+                f"for the device (its result goes to the host) outside a splitting op. That is illegal while a CUDA "
+                f"graph captures, and on a padded call the value would come from the padding rows too. Keep the value "
+                f"on the device (torch.where, masks), compute it before forward, or move the code into a splitting op "
+                f"(piecewise.opaque_op(..., split=True)), which runs on the real rows.", node=node)
+
+
+def _refuse_mixed_values(graph: torch.fx.GraphModule, state) -> None:
+    """Traced with graph breaks, a graph's outputs go back to Python, which may read them (``int(t)``,
+    ``t.item()``, ``if t:``). One without the token dimension computed by combining token rows (``x.abs().max()``,
+    ``positions.max()``) would hand Python a value of the padding rows too on every padded call."""
+    size, static = state.call.size, state.static_storages
+
+    def tokens(node: torch.fx.Node) -> bool:
+        return _carries_tokens(node.meta.get("example_value"), size, static)
+
+    derived: set[torch.fx.Node] = set()  # computed from token rows
+    combined: dict[torch.fx.Node, torch.fx.Node] = {}  # such a node without the token dimension → where it went
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            if tokens(node):
+                derived.add(node)
+            continue
+        sources = [arg for arg in node.all_input_nodes if arg in derived]
+        if not sources or node.op == "output":
+            continue
+        derived.add(node)
+        if not tokens(node):
+            combined[node] = node if any(tokens(arg) for arg in sources) else \
+                next((combined[arg] for arg in sources if arg in combined), node)
+    output = next(node for node in reversed(graph.graph.nodes) if node.op == "output")
+    for leaf in output.all_input_nodes:
+        if leaf in combined and isinstance(leaf.meta.get("example_value"), torch.Tensor):
+            source = combined[leaf]
+            raise ForwardRefused(
+                f"piecewise: {node_place(source)} combines the "
+                f"token rows into a value that goes back to Python at a graph break (.item(), int(), a branch). On a "
+                f"padded call it would come from the padding rows too. Make that code a splitting op "
+                f"(piecewise.opaque_op(..., split=True)), which sees only the real rows, or keep the value on the "
+                f"device.", "token_mixing", node_stack(source))
+
+
+def _carries_tokens(value, size: int, static: set[int]) -> bool:
+    """A tensor with the token dimension: symbolic, or (a graph after a break traced for one size) as long as it."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    if any(_compat.symbolic(extent) for extent in value.shape):
+        return True
+    return size > 1 and value.shape[0] == size
 
 
 def mixing_places(nodes: list[torch.fx.Node]) -> tuple[str, list[traceback.FrameSummary]]:

@@ -3,6 +3,7 @@ each partition (a piece captured per size, or a splitting op run eagerly between
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -12,7 +13,7 @@ from ..capture.pieces import PieceRunner
 from ..capture.splitop import SplitOpRunner
 from ..capture.state import CaptureState, Phase
 from ..graph.split import split_graph
-from ..graph.tokens import is_token_tensor, output_values, placeholder_values
+from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dims
 
 
 class GraphRunner:
@@ -39,11 +40,16 @@ class GraphRunner:
         for partition in partitions:
             if partition.splitting_op is not None:
                 runner = SplitOpRunner(partition.name, partition.module, partition.splitting_op, state,
-                                       any_dim=partition.splitting_op not in splitting_ops, by_shape=after_break)
+                                       cut=partition.splitting_op not in splitting_ops, by_shape=after_break)
                 self.splitting_ops.append(runner)
             else:
-                compiled = compiler.compile(partition.module, placeholder_values(partition.module))
-                runner = PieceRunner(partition.name, partition.module, compiled, state, self)
+                # Inductor rewrites the graph it compiles (its output becomes a list): the piece's own FX graph, which
+                # runs op by op where that is needed (runtime.bounds, a capture failure's search), is a copy.
+                module = partition.module
+                original = module if compiler.name == "eager" else \
+                    torch.fx.GraphModule(module, copy.deepcopy(module.graph))
+                compiled = compiler.compile(module, placeholder_values(module))
+                runner = PieceRunner(partition.name, original, compiled, state, self)
                 self.pieces.append(runner)
             # A plain attribute, not a submodule: the split graph's code calls it without nn.Module overhead.
             delattr(self.split_graph, partition.name)
@@ -53,7 +59,8 @@ class GraphRunner:
         self.token_inputs = [is_token_tensor(v) for v in inputs]
         self.symbolic = any(self.token_inputs)
         outputs = output_values(graph)
-        self.token_outputs = [is_token_tensor(v) for v in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
+        self.token_outputs = [(token_dims(v) or [None])[0]
+                              for v in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
         self.external: list[int] | None = None  # inputs that need a static copy; decided on the first call
         self.input_buffers: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -69,9 +76,9 @@ class GraphRunner:
         outputs = self.split_graph(*args)
         if self.symbolic and not self.after_break:  # with graph breaks sizes are symbolic or not: leave unknown
             flat = outputs if isinstance(outputs, (tuple, list)) else [outputs]
-            for value, token in zip(flat, self.token_outputs):
+            for value, dim in zip(flat, self.token_outputs):
                 if isinstance(value, torch.Tensor):
-                    state.token_outputs[id(value)] = token
+                    state.token_outputs[id(value)] = dim
         return outputs
 
     def _stage_inputs(self, args: list) -> list:

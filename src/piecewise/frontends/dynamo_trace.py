@@ -22,9 +22,32 @@ import torch
 
 from .. import _compat
 from ..diagnostics.blockers import blockers_from_exception, find_blockers
-from ..errors import CaptureBlockedError, ForwardRefused
+from ..errors import CaptureBlockedError, CaptureFailed, ForwardRefused
 
 logger = logging.getLogger(__name__)
+
+
+def fresh_method(method: types.MethodType) -> types.MethodType:
+    """A copy of a bound method with its own code object.
+
+    Dynamo caches compiled frames on the code object; a private copy keeps each compiled model's cache
+    apart (no recompile-limit fallbacks when many models of one class are compiled, no cross-talk).
+    """
+    function = getattr(method, "__func__", None)
+    if not isinstance(function, types.FunctionType):
+        return method
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__ = function.__qualname__
+    copy.__module__ = function.__module__
+    copy.__wrapped__ = function
+    return types.MethodType(copy, method.__self__)
 
 
 class DirectCall:
@@ -121,7 +144,7 @@ class ForwardTracer:
         self.model = model
         self.backend = backend
         self.on_blocker = on_blocker
-        self.method = _compat.fresh_method(model.forward)
+        self.method = fresh_method(model.forward)
         self.compiled = torch.compile(
             self.method, backend=backend, fullgraph=True, dynamic=False, options=_compat.compile_options()
         )
@@ -133,14 +156,16 @@ class ForwardTracer:
         explain pass runs the model without piecewise, so padded rows would reach ops that write state (a KV
         cache at the pad rows' positions)."""
         self.direct: DirectCall | None = None
-        self.direct_calls = 0
+        self.last_direct = False
+        """Whether the last call skipped Dynamo's frame hook."""
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """Run the forward through Dynamo (the first call traces; later ones skip Dynamo's frame hook)."""
+        self.last_direct = False
         if self.direct is not None and not args:
             done, output = self.direct(kwargs)
             if done:
-                self.direct_calls += 1
+                self.last_direct = True
                 return output
             if self.direct.broken:
                 self.direct = None
@@ -157,7 +182,7 @@ class ForwardTracer:
                     output = self._trace_with_breaks(exc, args, kwargs)
         except _compat.BackendCompilerFailed as exc:
             inner = getattr(exc, "inner_exception", None)
-            if isinstance(inner, ForwardRefused):  # piecewise's own message for the user: no Dynamo wrapping
+            if isinstance(inner, (ForwardRefused, CaptureFailed)):  # piecewise's own message: no Dynamo wrapping
                 raise inner from None
             raise
         self.first_trace_done = True
@@ -167,7 +192,7 @@ class ForwardTracer:
 
     def _trace_with_breaks(self, exc: Exception, args: tuple, kwargs: dict) -> Any:
         diagnose = self.diagnose_kwargs if self.diagnose_kwargs is not None else kwargs
-        blockers = find_blockers(_compat.fresh_method(self.model.forward), args, diagnose)
+        blockers = find_blockers(fresh_method(self.model.forward), args, diagnose)
         if not blockers:
             blockers = blockers_from_exception(exc)
         if self.on_blocker == "raise":
@@ -186,12 +211,12 @@ class ForwardTracer:
         # dynamic=None: code after a break gets tensors Python made, which carry no dynamic mark; Dynamo
         # traces it once static, then once more with the dimensions that changed made dynamic.
         self.compiled = torch.compile(
-            _compat.fresh_method(self.model.forward), backend=self.backend, fullgraph=False, dynamic=None,
+            fresh_method(self.model.forward), backend=self.backend, fullgraph=False, dynamic=None,
             options=_compat.compile_options(graph_breaks=True),
         )
         try:
             return self.compiled(*args, **kwargs)
-        except (ForwardRefused, _compat.BackendCompilerFailed):
+        except (ForwardRefused, CaptureFailed, _compat.BackendCompilerFailed):
             raise  # piecewise's own refusals (the caller unwraps them)
         except Exception as failure:  # noqa: BLE001 - Dynamo failing inside the model: the blockers instead
             first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""

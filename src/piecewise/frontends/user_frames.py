@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import sys
 import traceback
 
 from ..diagnostics.classify import is_stdlib, is_torch_internal
@@ -24,6 +25,36 @@ def user_chain() -> list[traceback.FrameSummary]:
             continue
         frames.append(frame)
     return frames
+
+
+_USER_FILES: dict[str, bool] = {}
+
+
+def _user_file(filename: str) -> bool:
+    user = _USER_FILES.get(filename)
+    if user is None:
+        path = os.path.realpath(filename)
+        user = _USER_FILES[filename] = not (path.startswith(_MACHINERY) or is_torch_internal(path) or is_stdlib(path)
+                                            or "<" in filename)
+    return user
+
+
+def innermost_user_line() -> tuple[str, int] | None:
+    """(file, line) of the innermost model frame running now: ``user_chain()[-1]`` for every op of a run, cheaply."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _user_file(frame.f_code.co_filename):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def line_text(place: tuple[str, int] | None) -> str:
+    """``file:line (`code`)``, or "an unknown line"."""
+    if place is None:
+        return "an unknown line"
+    code = linecache.getline(place[0], place[1]).strip()
+    return f"{place[0]}:{place[1]}" + (f" (`{code}`)" if code else "")
 
 
 def chain_text(frames: list[traceback.FrameSummary]) -> str:

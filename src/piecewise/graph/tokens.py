@@ -16,11 +16,11 @@ def is_token_tensor(fake: Any) -> bool:
     return isinstance(fake, torch.Tensor) and fake.dim() > 0 and _compat.is_plain_symbol(fake.shape[0])
 
 
-def token_dim(fake: Any) -> int | None:
-    """The first dimension of ``fake`` that is the token count (None: not a token tensor)."""
+def token_dims(fake: Any) -> list[int]:
+    """The dimensions of ``fake`` that are the token count (none: not a token tensor)."""
     if not isinstance(fake, torch.Tensor):
-        return None
-    return next((d for d, size in enumerate(fake.shape) if _compat.is_plain_symbol(size)), None)
+        return []
+    return [d for d, size in enumerate(fake.shape) if _compat.is_plain_symbol(size)]
 
 
 def placeholder_values(module: torch.fx.GraphModule) -> list[Any]:
@@ -38,6 +38,18 @@ def user_line(node: torch.fx.Node) -> str:
     """``file:line`` of the model code that made ``node`` (its innermost frame), or "" when unknown."""
     frames = node_stack(node)
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def node_place(node: torch.fx.Node) -> str:
+    """``file:line (`code`)`` of the model line that made ``node``, or "an unknown line"."""
+    import linecache
+
+    where = user_line(node)
+    if not where:
+        return "an unknown line"
+    path, _, line = where.rpartition(":")
+    code = linecache.getline(path, int(line)).strip()
+    return where + (f" (`{code}`)" if code else "")
 
 
 _ALONG_DIM = frozenset({

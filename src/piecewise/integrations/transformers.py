@@ -370,7 +370,10 @@ class TokenModel(nn.Module):
                 raise ValueError("slots need a multi-sequence kv_cache: make_kv_cache(max_seq_len, sequences=N)")
             extra["piecewise_slots"] = slots
         call = getattr(self.model, "_piecewise_call", None)  # set by enable(): read by every attention module
-        if call is None:  # not enabled: nothing reads them
+        if call is None:  # not enabled: nothing would read the cache, slots or positions
+            if extra:  # transformers' own attention would never read the cache: decode steps would see one token
+                raise ValueError("TokenModel got a KV cache, which transformers' own attention never reads: call "
+                                 "piecewise.integrations.transformers.enable(model) before TokenModel(model)")
             return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
         call.clear()
         call.update(extra)

@@ -14,22 +14,28 @@ from ..graph.stack import node_stack
 from .arguments import Arguments
 from .model import PiecewiseModel, compile
 
-__all__ = ["PiecewiseModel", "breakable_trial", "compile", "trial_capture"]
+__all__ = ["PiecewiseModel", "auto_trial", "breakable_trial", "compile", "trial_capture"]
+
+
+DOCTOR_MAX_TOKENS = 64
+"""The top of the ladder the doctor's trial first calls use (as ``piecewise run`` and ``verify`` default to), or the
+inputs' token count where that is larger."""
 
 
 def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: str = "dynamo",
-                  size_notes: list[str] | None = None) -> list:
-    """Run the runtime's first call on these inputs (capture sizes 1, 2 and the inputs' token count; CUDA
-    graphs where the model is on CUDA) and return what it refuses as doctor blockers: ``capture_illegal`` (CUDA
-    only), ``token_mixing``, ``token_branch``, ``state_update``, ``token_argument_write``. ``size_notes``, when
-    given, receives the runner's notes on sizes it cannot serve (one-token calls padded to 2).
+                  size_notes: list[str] | None = None, taken: list | None = None) -> list:
+    """Run the runtime's first call on these inputs (the vLLM ladder up to ``DOCTOR_MAX_TOKENS``; CUDA graphs where
+    the model is on CUDA) and return what it refuses as doctor blockers: ``capture_illegal`` (CUDA only),
+    ``token_mixing``, ``token_branch``, ``state_update``, ``token_argument_write``, ``frozen_value``, ...
+    ``frontend="dynamo"`` is strict (the whole forward or a blocker). ``size_notes``, when given, receives the
+    runner's notes on sizes it cannot serve; ``taken`` (with ``frontend="auto"``) the front-end it took and why.
 
     Used by ``piecewise.doctor``. The model runs several times on the inputs, as on a first call.
     """
     binder = Arguments(model, None)
     tokens = binder.token_count(binder.bind(tuple(args), dict(kwargs)))
-    sizes = sorted({1, 2, tokens})
-    runner = PiecewiseModel(model, CaptureConfig(capture_sizes=sizes, frontend=frontend, strict=True), None)
+    config = CaptureConfig(max_tokens=max(DOCTOR_MAX_TOKENS, tokens), frontend=frontend, strict=frontend == "dynamo")
+    runner = PiecewiseModel(model, config, None)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # graph breaks: the doctor reports them from its own trace
@@ -46,10 +52,20 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: s
         runner.release_graphs()
         if size_notes is not None:
             size_notes.extend(runner.stats["size_notes"])
+    if taken is not None:
+        taken.extend([runner.stats["frontend"], runner.stats["frontend_reason"]])
     return []
 
 
 def breakable_trial(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
     """``trial_capture`` with the breakable front-end: what stops it on these inputs (``capture_illegal`` on CUDA,
-    ``token_mixing``, ``state_update``, ``token_argument_write``)."""
+    ``token_mixing``, ``state_update``, ``token_argument_write``, ``token_branch``, ``frozen_value``)."""
     return trial_capture(model, args, kwargs, frontend="breakable")
+
+
+def auto_trial(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[str | None, str, list]:
+    """What ``piecewise.compile(model)`` (``frontend="auto"``) does on these inputs: (the front-end it takes, why,
+    []) or (None, "", what it refuses)."""
+    taken: list = []
+    blockers = trial_capture(model, args, kwargs, frontend="auto", taken=taken)
+    return (taken[0], taken[1], []) if taken else (None, "", blockers)

@@ -12,33 +12,31 @@ from __future__ import annotations
 import bisect
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import _compat
 from ..capture.buffers import map_tensors
-from ..capture.pieces import abandon_capture, end_capture
+from ..capture.segment import Segment
 from ..capture.state import Call, Phase
 from ..context import ForwardContext, forward_context
 from ..opaque import opaque_op_info
 from .verify import rel_error, tolerance
 
-if TYPE_CHECKING:
-    from .model import PiecewiseModel
-
 
 class FullGraphs:
     """The full-graph family of one runner: which calls it serves, its graphs, the token mask they read."""
 
-    def __init__(self, runner: "PiecewiseModel"):
+    def __init__(self, runner: Any):
         self.runner = runner
+        """The runtime core it belongs to (``runtime.core.Core``)."""
         self.mode = "piecewise"
         self.top = 0  # the largest full size; the sizes are the ladder's up to it
         self._sizes: list[int] = []
         self._ladder_sizes: int = -1  # len(ladder.sizes) when _sizes was made (the ladder can drop size 1 later)
         self.ops: list = []  # OpaqueOpInfo of every splitting op the model calls
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Segment] = {}
         self.outputs: dict[int, Any] = {}
         self.mask: torch.Tensor | None = None
         self.masks: dict[int, torch.Tensor] = {}
@@ -119,7 +117,8 @@ class FullGraphs:
             runner.stats.full_replays += 1
             runner.stats.replays += 1
             return self.outputs[size]
-        return runner.run_call(Call(Phase.PADDED, size, tokens, full=True), staged, rehearsal=rehearsal)
+        return runner.run_call(Call(Phase.PADDED, size, tokens, full=True), staged, rehearsal=rehearsal,
+                               token_mask=self.masks[size])
 
     # --- capture ---------------------------------------------------------------------------------------------
 
@@ -130,21 +129,22 @@ class FullGraphs:
         for size in reversed(self.sizes):
             rows = min(tokens, size)
             arguments = runner.arguments.leading(arguments, rows)
-            graph = None
+            segment = Segment(state)
             try:
                 self.run(arguments, rows, size, rehearsal=True)  # warm-up at this size, outside the graph
                 staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), rows, size)
-                graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=state.pool)
-                output = runner.run_call(Call(Phase.PADDED, size, rows, full=True), staged, rehearsal=True)
+                segment.begin()
+                output = runner.run_call(Call(Phase.PADDED, size, rows, full=True), staged, rehearsal=True,
+                                         token_mask=self.masks[size])
+                segment.end()  # on failure it has abandoned the capture itself
             except Exception as exc:  # noqa: BLE001 - whatever stops a whole-forward capture turns the family off
-                if graph is not None:
-                    abandon_capture(graph, state)
+                segment.abandon()
+                if isinstance(exc, torch.OutOfMemoryError):
+                    raise
                 self.refuse(f"the forward cannot be captured whole at {size} tokens: {exc}")
                 return
-            end_capture(graph)
-            graph.replay()
-            self.graphs[size] = graph
+            segment.replay()
+            self.graphs[size] = segment
             self.outputs[size] = map_tensors(output, _compat.non_owning_alias)
             advance()
         runner.stats.full_graphs = len(self.graphs)

@@ -13,53 +13,31 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..capture.buffers import InputStager
-from ..capture.ladder import Ladder
-from ..capture.state import IDLE, Call, CaptureState, Phase
-from ..capture.stats import Stats
+from ..capture.buffers import storage_alias
+from ..capture.segment import runner_call
+from ..capture.state import Call, Phase
 from ..config import CaptureConfig
-from ..context import forward_context
 from ..opaque import resolve_splitting_ops
 from . import first_call
-from .arguments import Arguments
-from .full_graphs import FullGraphs
+from .core import Core
 from .verify import VerifyReport, verify
-from .watch import ParameterWatch
 
 logger = logging.getLogger(__name__)
 
 
-class PiecewiseModel:
+class PiecewiseModel(Core):
     """A model whose forward runs as captured pieces with eager splitting ops between them.
 
     Call it like the model. The first call warms up eagerly, prepares the front-end (a Dynamo trace, or none
     for the breakable front-end), and on CUDA captures every capture size; later calls pad to the smallest
-    captured size ≥ the token count and replay.
+    captured size ≥ the token count and replay. A call that differs from the first in what the graphs depend on
+    (``CallGuard``) runs the model's own forward, with one warning.
     """
 
     def __init__(self, model: torch.nn.Module, config: CaptureConfig, dynamic: dict[str, int] | None):
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"piecewise.compile expects a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(config, CaptureConfig):
-            raise TypeError(
-                f"piecewise.compile: config must be a piecewise.CaptureConfig, got {type(config).__name__}; "
-                f"write piecewise.CaptureConfig(**{config!r})" if isinstance(config, dict) else
-                f"piecewise.compile: config must be a piecewise.CaptureConfig, got {type(config).__name__}"
-            )
-        self.model = model
-        self.config = config
+        super().__init__(model, config, dynamic)
         if config.splitting_ops is not None:
             resolve_splitting_ops(config.splitting_ops)  # an unknown name is an error now, not at the first call
-        self.arguments = Arguments(model, dynamic)
-        self.state = CaptureState(max_tokens=config.max_tokens)
-        self.ladder = Ladder(config.sizes, config.max_padding_factor)
-        self.stats = Stats(capture_sizes=self.ladder.sizes, size_notes=self.ladder.notes)
-        self.stager = InputStager(config.max_tokens, self.state.stable_ptrs)
-        self.watch = ParameterWatch(model)
-        self.full = FullGraphs(self)
-        self.frontend: Any = None
-        """The front-end in use (``DynamoFrontend`` or ``BreakableFrontend``), chosen at the first call."""
-        self.last_arguments: dict[str, Any] | None = None
         self._prepared = False
 
     @property
@@ -68,6 +46,10 @@ class PiecewiseModel:
         return None if self.arguments.dynamic is None else dict(self.arguments.dynamic)
 
     def __call__(self, *args, **kwargs) -> Any:
+        with runner_call():  # one runner call (and capture) at a time in the process
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         self.watch.check()
         arguments = self.arguments.bind(args, kwargs)
         tokens = self.arguments.token_count(arguments)
@@ -83,6 +65,12 @@ class PiecewiseModel:
         with self.watch, torch.inference_mode():
             if not self._prepared:
                 self._prepare(arguments)
+            else:
+                difference = self.guard.difference(arguments)
+                if difference is not None:
+                    self.guard.warn_once(difference)
+                    self.stats.eager_calls += 1
+                    return self.finish(self.model(**arguments), tokens, tokens)
             full = self.full.bucket(tokens) if self.full.sizes else None
             size = full if full is not None else self.ladder.bucket(tokens)
             if full is not None:
@@ -114,45 +102,11 @@ class PiecewiseModel:
         for name in self.arguments.given_tokens(arguments):
             value = arguments[name]
             if not value.is_inference():
-                value = _compat.storage_alias(value, value.shape[0])
+                value = storage_alias(value, value.shape[0])
             _compat.mark_token_dim(value, 0)
             direct[name] = value
         self.stats.fallback_calls += 1
         return self.run_call(Call(Phase.DIRECT, tokens, tokens), direct)
-
-    def run_call(self, call: Call, arguments: dict[str, Any], rehearsal: bool = False) -> Any:
-        """Run the front-end's forward for ``call``: the one place the call descriptor is set."""
-        state = self.state
-        state.call = call
-        state.splitting_op_calls = 0
-        state.token_outputs.clear()
-        try:
-            with forward_context(call.num_tokens, call.size, capturing=call.phase is Phase.CAPTURE, rehearsal=rehearsal,
-                                 token_mask=self.full.masks.get(call.size) if call.full else None):
-                output = self.frontend.run(arguments)
-        finally:
-            state.call = IDLE
-        self.stats.splitting_op_calls = state.splitting_op_calls
-        return output
-
-    def finish(self, output: Any, tokens: int, size: int, clone: bool | None = None) -> Any:
-        """Cut padded outputs back to the real rows; copy them unless ``clone_outputs=False``."""
-        token_ids = self.state.token_outputs
-        clone = self.config.clone_outputs if clone is None else clone
-
-        def fix(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
-                return value
-            token = token_ids.get(id(value))
-            if token is None:  # not from a symbolic graph (breakable, Python after a break): the padded length
-                token = value.dim() > 0 and value.shape[0] == size
-            if token and tokens != size:
-                value = value[:tokens]
-            return value.clone() if clone else value
-
-        if isinstance(output, torch.Tensor):  # the usual case, without the pytree walk
-            return fix(output)
-        return torch.utils._pytree.tree_map(fix, output)
 
     def capture(self, *args, **kwargs) -> None:
         """Warm up, prepare and capture every size now (with these example inputs, or the last call's)."""
@@ -166,7 +120,7 @@ class PiecewiseModel:
         if self._prepared:
             return
         self.last_arguments = arguments
-        with self.watch, torch.inference_mode():
+        with runner_call(), self.watch, torch.inference_mode():
             self._prepare(arguments)
 
     def verify(self, *args, sizes: list[int] | None = None, make_inputs=None, **kwargs) -> VerifyReport:
@@ -184,7 +138,7 @@ class PiecewiseModel:
             example = self.last_arguments
         else:
             raise ValueError("PiecewiseModel.verify() needs example inputs: call it with the model's arguments")
-        with self.watch:
+        with runner_call(), self.watch:
             return verify(self, example, sizes, make_inputs)
 
     def release_graphs(self) -> None:

@@ -11,7 +11,7 @@ import io
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -21,8 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.state import Call, Phase, probe_call
 from ..frontends.user_frames import chain_text, user_chain
 
-if TYPE_CHECKING:
-    from .model import PiecewiseModel
 
 CAUSES = ("Typical causes: a host-side decision frozen at capture (Python reading a value, a kernel configuration "
           "chosen from the token count), an op that reads per-call metadata and is not a splitting op (it was "
@@ -120,7 +118,7 @@ def token_counts(sizes: list[int], size: int) -> list[int]:
     return sorted({size, max(size - 1, below + 1), below + 1}, reverse=True)
 
 
-def default_inputs(runner: "PiecewiseModel", example: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
+def default_inputs(runner: Any, example: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
     """Inputs of any token count made from the example call, with values other than the capture's: token rows
     repeated from a shifted start; integer rows in an arithmetic pattern (positions) continued from one past the
     example's first value (one before it where every row holds the same value); static arguments as given. Where
@@ -146,14 +144,14 @@ def default_inputs(runner: "PiecewiseModel", example: dict[str, Any]) -> Callabl
     return make
 
 
-def verify(runner: "PiecewiseModel", example: dict[str, Any], sizes: list[int] | None = None,
+def verify(runner: Any, example: dict[str, Any], sizes: list[int] | None = None,
            make_inputs: Callable[[int], Any] | None = None) -> VerifyReport:
     """See ``PiecewiseModel.verify``."""
     with torch.inference_mode():  # the runner's own mode: its buffers are inference tensors
         return _verify(runner, example, sizes, make_inputs)
 
 
-def _verify(runner: "PiecewiseModel", example: dict[str, Any], sizes: list[int] | None,
+def _verify(runner: Any, example: dict[str, Any], sizes: list[int] | None,
             make_inputs: Callable[[int], Any] | None) -> VerifyReport:
     ladder = list(runner.ladder.sizes)
     chosen = sorted(sizes) if sizes is not None else (runner.stats.captured_sizes or ladder)
@@ -235,8 +233,7 @@ def _eager(runner, inputs: dict[str, Any], static, saved, probe: bool = False):
 
 
 def _splitting(runner) -> frozenset[str]:
-    frontend = runner.frontend
-    return frontend.splitting_ops() if hasattr(frontend, "splitting_ops") else frontend.splitting
+    return runner.frontend.splitting_ops()
 
 
 def _compare(runner, inputs: dict[str, Any], static, saved) -> dict[str, tuple[float, float]]:

@@ -1,4 +1,5 @@
-"""Parameters, buffers or submodules replaced after the first call: the graphs would read the old ones."""
+"""Parameters, buffers or submodules replaced after the first call, or given other memory (``.data = ...``,
+``model.to()``): the graphs would read the old ones."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import weakref
 from typing import Any
 
 import torch
+
+from .. import _compat
 
 _calls_in_progress: list = []  # watches whose model is inside a call (a forward may assign its own attributes)
 _watched: "weakref.WeakSet[ParameterWatch]" = weakref.WeakSet()
@@ -28,13 +31,15 @@ def _on_registration(kind: str):
 
 class ParameterWatch:
     """Flags its model when a parameter, buffer or submodule is assigned a new object outside a call (torch's
-    global registration hooks, installed once), or when its parameters move (``model.to()``)."""
+    global registration hooks, installed once), or when any parameter or buffer has other memory than at the first
+    call (``param.data = new``, ``model.to()``, ``.half()``: one C++ check of every address on CUDA builds)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.replaced: str | None = None
         self.modules: weakref.WeakSet = weakref.WeakSet()
-        self.probe: tuple[torch.Tensor, int] | None = None
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self.addresses: _compat.Addresses | None = None
 
     def start(self) -> None:
         if not _hooks:
@@ -43,14 +48,18 @@ class ParameterWatch:
             _hooks.append(modules.register_module_buffer_registration_hook(_on_registration("buffer")))
             _hooks.append(modules.register_module_module_registration_hook(_on_registration("submodule")))
         self.modules = weakref.WeakSet(self.model.modules())  # by identity; a module dropped later drops out
-        first = next(iter(self.model.parameters()), None)
-        self.probe = (first, first.data_ptr()) if first is not None else None
+        self.tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
+        self.addresses = _compat.Addresses([tensor for _, tensor in self.tensors])
         _watched.add(self)
 
     def check(self) -> None:
         """Raise ``ValueError`` when the model changed under the graphs."""
-        if self.probe is not None and self.probe[0].data_ptr() != self.probe[1]:
-            self.replaced = self.replaced or "the model's parameters moved (model.to(), .half() or .cuda())"
+        if self.addresses is not None and not self.addresses.unchanged():
+            moved = [name for (name, tensor), address in zip(self.tensors, self.addresses.pointers)
+                     if tensor.data_ptr() != address]
+            self.replaced = self.replaced or (
+                f"the memory of {len(moved)} parameter(s) or buffer(s) changed (`{moved[0]}` first: "
+                f"`.data = ...`, model.to(), .half() or .cuda())")
         if self.replaced is not None:
             raise ValueError(
                 f"piecewise: {self.replaced} after the first call. The trace and the captured graphs read "

@@ -1,0 +1,95 @@
+"""The module attributes a breakable forward reads, and their reassignment after capture.
+
+A replay runs no Python, so a value the forward reads from a module attribute (attention metadata an engine sets on
+the module before each step, a flag) stays what it was at capture. ``AttributeReads.record`` runs the forward once
+with each module's class swapped for a subclass that notes which plain attributes it reads, and where; from then
+on, an assignment to one of them (``module.meta = ...``, seen by ``_compat.on_module_assignment``) makes the next
+replay raise, naming the attribute and the line that reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..capture.segment import in_runner_call
+from .user_frames import innermost_user_line, line_text
+
+# nn.Module's own bookkeeping, and the mode the runtime checks itself (CallGuard).
+_NOT_PLAIN = frozenset({
+    "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_backward_pre_hooks",
+    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl",
+})
+_READING: dict[type, type] = {}
+
+
+def _reading_class(cls: type) -> type:
+    reader = _READING.get(cls)
+    if reader is None:
+        def __getattribute__(self, name):
+            value = object.__getattribute__(self, name)
+            if name not in _NOT_PLAIN and name in object.__getattribute__(self, "__dict__"):
+                key = (id(self), name)
+                if key not in _RECORDING[-1]:
+                    _RECORDING[-1][key] = (self, name, innermost_user_line())
+            return value
+
+        reader = _READING[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                                              "__module__": cls.__module__,
+                                                              "__qualname__": cls.__qualname__})
+    return reader
+
+
+_RECORDING: list[dict] = []
+
+
+class AttributeReads:
+    """The plain module attributes one run of a forward read, and which of them were assigned since."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.reads: dict[tuple[int, str], tuple[Any, str, tuple[str, int] | None]] = {}
+        self.assigned: list[tuple[Any, str]] = []
+
+    def record(self, run: Callable[[], Any]) -> Any:
+        """Run ``run()`` noting the reads, then start watching those attributes."""
+        swapped = []
+        _RECORDING.append({})
+        try:
+            for module in self.model.modules():
+                cls = type(module)
+                if "__getattribute__" in vars(cls) or hasattr(cls, "__slots__"):
+                    continue  # a class of its own making: left as it is
+                try:
+                    module.__class__ = _reading_class(cls)
+                except TypeError:
+                    continue
+                swapped.append((module, cls))
+            return run()
+        finally:
+            for module, cls in swapped:
+                module.__class__ = cls
+            self.reads = _RECORDING.pop()
+            self.assigned.clear()
+            _compat.on_module_assignment(self._assigned)
+
+    def _assigned(self, module: torch.nn.Module, name: str) -> None:
+        if (id(module), name) in self.reads and not in_runner_call():  # the forward's own assignments are its own
+            self.assigned.append((module, name))
+
+    def check(self) -> None:
+        """Raise ``ValueError`` when an attribute the forward reads was assigned since it was recorded."""
+        module, name = self.assigned[0]
+        _, _, where = self.reads[(id(module), name)]
+        path = next((n for n, m in self.model.named_modules() if m is module), "")
+        raise ValueError(
+            f"piecewise: `{path + '.' if path else ''}{name}` was assigned after the first call, and the forward reads "
+            f"it at {line_text(where)}. A replayed call runs no Python, so its graphs would go on using what the "
+            f"attribute held at capture. Pass the value to forward as an argument (a tensor is read in place, any "
+            f"other value is checked on every call), read it inside a splitting op, or compile again.")
+

@@ -1,0 +1,193 @@
+"""The first call's checks of a forward against padding and repeated runs.
+
+- ``check_padding``: the first call's leading tokens padded by one row, the padding zero and then copies of real
+  rows; the real rows must not change.
+- ``check_one_token``: after a trace that holds for more than one token only, a one-token call padded to the next
+  size must equal the model's own one-token result.
+- ``ModuleState``: the Python attributes of the model's modules, taken before the first call (put back if it is
+  refused) and compared across its runs (the forward must not change them: replays run no Python).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import torch
+
+from ..capture.state import Call, Phase
+from ..context import forward_context
+from ..errors import ForwardRefused
+from .core import Core
+from .verify import rel_error, tolerance
+
+# nn.Module's own bookkeeping: parameters, buffers and submodules are watched elsewhere (ParameterWatch).
+_MODULE_KEYS = frozenset({
+    "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_backward_pre_hooks",
+    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl",
+})
+_IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+class RandomState:
+    """Python's and torch's generator states (CPU and every initialised CUDA device), to draw the same numbers
+    again."""
+
+    def __init__(self):
+        self.python = random.getstate()
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+def check_padding(core: Core, arguments: dict[str, Any]) -> None:
+    """Run the first call's leading tokens padded by one row, after a run that traces (Dynamo) and compares (the
+    breakable front-end's op logs: the same call twice, the generators moved on in between), the padding rows zero
+    and then copies of real rows. A forward whose pieces compute each row from that row alone (attention and other
+    cross-token code in splitting ops) gives the same real rows both times; one that mixes rows (a sum or softmax
+    over the tokens, ``x[-1]``) would return padding-dependent numbers on every padded call: refused here."""
+    sizes = [size for size in core.ladder.sizes if size >= 2]
+    if not sizes:
+        return
+    size = sizes[0]
+    given = core.arguments.given_tokens(arguments)
+    rows = min(arguments[given[0]].shape[0], size - 1)
+    results = []
+    first = RandomState()
+    for fill in ("trace", "zeros", "copies"):
+        if fill == "trace":
+            first.restore()
+        elif fill == "zeros":
+            moved = RandomState()  # no restore: a value drawn in Python differs from the run before
+        else:
+            moved.restore()  # both compared runs draw the same random numbers: only the padding differs
+        staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
+        if fill == "copies":
+            core.stager.fill_padding_with_copies(arguments, given, rows, size)
+        output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
+        results.append(core.finish(output, rows, size, clone=True))
+    first.restore()
+    for index, (zeros, copies) in enumerate(zip(*(torch.utils._pytree.tree_leaves(r) for r in results[1:]))):
+        if not isinstance(zeros, torch.Tensor) or zeros.is_complex():
+            continue
+        if zeros.is_floating_point():
+            difference = float((zeros.double() - copies.double()).norm() / zeros.double().norm().clamp_min(1e-30))
+            allowed = 1e-4 if zeros.dtype in (torch.float32, torch.float64) else 1e-2
+        else:  # token ids, counts, masks: equal or not
+            difference, allowed = float((zeros != copies).double().mean()) if zeros.numel() else 0.0, 0.0
+        if not difference <= allowed:  # NaN included
+            hint, chain = core.frontend.mixing_hint()
+            raise ForwardRefused(
+                f"piecewise: the forward mixes tokens: with {rows} real token(s) padded to {size}, output "
+                f"{index} (shape {tuple(zeros.shape)}) changes by {difference:.1e} (relative) when the padding "
+                f"rows hold other values. Every call is padded to a capture size, so its results would depend "
+                f"on the padding. Code outside splitting ops reads rows other than its own: a sum, mean, "
+                f"softmax, cumsum or sort over the token dimension, or indexing such as x[-1].{hint} "
+                f"Make that code a splitting op (piecewise.opaque_op(..., split=True)), which sees only the "
+                f"real rows, or move it out of forward.",
+                "token_mixing", chain,
+            )
+
+
+def check_one_token(core: Core, arguments: dict[str, Any]) -> None:
+    """A trace that holds for more than one token only pads one-token calls to the next size
+    (``Ladder.drop_one``): right where the assumption is broadcasting's (``x[index] = values``), wrong where the
+    forward branches on the count. Such a call must equal the model's own one-token forward."""
+    if not core.ladder.notes:
+        return
+    size = core.ladder.sizes[0]
+    given = core.arguments.given_tokens(arguments)
+    one = core.arguments.leading(arguments, 1)
+    staged = core.stager.stage(one, given, 1, size)
+    padded = core.finish(core.run_call(Call(Phase.PADDED, size, 1), staged, rehearsal=True), 1, size, clone=True)
+    with forward_context(1, 1, rehearsal=True):
+        exact = core.model(**one)  # the model's own forward on the real row (it writes what the padded call wrote)
+    for got, want in zip(torch.utils._pytree.tree_leaves(padded), torch.utils._pytree.tree_leaves(exact)):
+        if isinstance(want, torch.Tensor) and not rel_error(got, want) <= tolerance(want.dtype):
+            raise ForwardRefused(
+                f"piecewise: a call of 1 token padded to {size} differs from the model's own 1-token result "
+                f"({rel_error(got, want):.1e}): {core.ladder.notes[0]}, and the forward's numbers depend on that. It "
+                f"branches on the token count: move the branch out of forward, or make the code that depends on the "
+                f"count a splitting op (piecewise.opaque_op(..., split=True)).",
+                "token_branch")
+
+
+def _fingerprint(value: Any) -> Any:
+    if isinstance(value, _IMMUTABLE):
+        return value
+    if isinstance(value, tuple) and all(isinstance(v, _IMMUTABLE) for v in value):
+        return value
+    if isinstance(value, (list, dict, set)):
+        return (id(value), len(value))
+    return ("object", id(value))
+
+
+class ModuleState:
+    """The plain attributes of every module of a model (not its parameters, buffers or submodules)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.saved = {(name, key): (module, value, _copy(value))
+                      for name, module in model.named_modules() for key, value in vars(module).items()
+                      if key not in _MODULE_KEYS}
+        self.fingerprints = self.take()
+
+    def take(self) -> dict[tuple[str, str], Any]:
+        return {(name, key): _fingerprint(value) for name, module in self.model.named_modules()
+                for key, value in vars(module).items() if key not in _MODULE_KEYS}
+
+    def changed(self) -> list[str]:
+        """``module.attribute: before -> now`` for each attribute a run changed since the last ``changed``."""
+        now, before = self.take(), self.fingerprints
+        found = []
+        for place in sorted(set(now) | set(before)):
+            was, is_ = before.get(place, _GONE), now.get(place, _GONE)
+            if was != is_:
+                values = f" ({was!r} -> {is_!r})" if isinstance(was, _IMMUTABLE) and isinstance(is_, _IMMUTABLE) \
+                    else " (set by the forward)" if was is _GONE else ""
+                found.append(f"`{_label(*place)}`{values}")
+        self.fingerprints = now
+        return found
+
+    def restore(self) -> None:
+        """Put back each attribute as it was when this was taken (containers' contents too)."""
+        for (name, key), (module, value, copy) in self.saved.items():
+            if isinstance(value, list):
+                value[:] = copy
+            elif isinstance(value, (dict, set)):
+                value.clear()
+                value.update(copy)
+            vars(module)[key] = value
+        for name, module in self.model.named_modules():
+            for key in [k for k in vars(module) if k not in _MODULE_KEYS and (name, k) not in self.saved]:
+                del vars(module)[key]
+
+
+_GONE = object()
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else \
+        set(value) if isinstance(value, set) else None
+
+
+def _label(name: str, key: str) -> str:
+    return f"{name}.{key}" if name else f"self.{key}"
+
+
+def warn_changed_state(changed: list[str]) -> None:
+    """The forward changed Python attributes of the model from one run to the next, and replays run no Python."""
+    if changed:
+        warnings.warn(
+            f"piecewise: the forward changes the model's Python attributes {', '.join(changed[:5])} on every run. "
+            f"Calls replayed from CUDA graphs run no Python, so it will not change on them (and where an op reads it, "
+            f"the first call refuses the forward, as a value its graphs would keep). Keep such state out of forward, "
+            f"or count in a tensor inside a splitting op that skips piecewise.context().rehearsal.", stacklevel=7)

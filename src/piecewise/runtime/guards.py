@@ -1,0 +1,113 @@
+"""What a later call must share with the first call for the graphs to serve it, checked on every call.
+
+- The global state the kernels were captured under: autocast (on, off, its dtype), the default dtype, TF32 and
+  reduced-precision reductions, deterministic algorithms (Dynamo's own global-state guard, a fraction of a
+  microsecond). A change of the thread count changes no kernel and is taken as it is.
+- The model's train/eval mode.
+- Each argument's kind: a tensor's dtype, device and layout (a static tensor's shape and strides too, since the
+  graphs read it in place), a Python argument's value (numbers, strings, flags, None; any other object by
+  identity).
+
+A call that differs runs the model's own forward, without padding or graphs (right, and slower), with one warning
+per distinct difference naming it. Parameters replaced or moved are ``ParameterWatch``'s (an error: compile again).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from .. import _compat
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+class CallGuard:
+    """The first call's global state, mode and argument kinds; ``difference(arguments)`` names what a call changed."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.global_state: Any = None
+        self.training: bool | None = None
+        self.expected: dict[str, tuple] = {}
+        self.warned: set[str] = set()
+
+    def record(self, arguments: dict[str, Any], token_names: list[str]) -> None:
+        """Take the first call's (inside ``torch.inference_mode()``, like every later check)."""
+        self.global_state = _compat.global_state_guard()
+        self.training = self.model.training
+        self.expected = {name: _kind(value, name in token_names) for name, value in arguments.items()
+                         if value is not None}
+
+    def difference(self, arguments: dict[str, Any]) -> str | None:
+        """What this call changed that the graphs depend on, or None. An argument left out and one given as None
+        are the same call."""
+        if self.global_state is None:
+            return None
+        if not self.global_state.check():
+            reason = " ".join(self.global_state.reason().split())
+            if set(reason.replace(",", " ").split()) <= _compat.BENIGN_GLOBAL_STATE:
+                self.global_state = _compat.global_state_guard()
+            else:
+                return f"the global state changed since the first call ({reason}: autocast, the default dtype, " \
+                       f"TF32 or deterministic algorithms)"
+        if self.model.training is not self.training:
+            return f"the model is in {'train' if self.model.training else 'eval'} mode now and was in " \
+                   f"{'train' if self.training else 'eval'} mode at the first call"
+        expected = self.expected
+        given = 0
+        for name, value in arguments.items():
+            if value is None:
+                continue
+            want = expected.get(name)
+            if want is None:
+                return f"argument {name!r} is given now and was not at the first call"
+            given += 1
+            if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
+                if want[0] != "tensor" or value.dtype != want[1] or value.device != want[2] or \
+                        value.layout != want[3] or (want[4] is not None and (value.shape, value.stride()) != want[4]):
+                    return _describe(name, want, value)
+            elif want[0] == "tensor" or not (value is want[1] or (want[2] and value == want[1])):
+                return _describe(name, want, value)
+        if given != len(expected):
+            missing = next(name for name in expected if arguments.get(name) is None)
+            return f"argument {missing!r} was given at the first call and is not now"
+        return None
+
+    def warn_once(self, difference: str) -> None:
+        if difference in self.warned:
+            return
+        self.warned.add(difference)
+        warnings.warn(
+            f"piecewise: {difference}. The graphs were captured for the first call's, so such calls run the model's "
+            f"own forward, without CUDA graphs (the same numbers as eager, slower). Call it as at the first call, or "
+            f"compile a separate runner for this variant.", stacklevel=3)
+
+
+def _kind(value: Any, token: bool) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.device, value.layout, None if token else (value.shape, value.stride()))
+    return ("python", value, _plain(value))
+
+
+def _describe(name: str, want: tuple, value: Any) -> str:
+    if want[0] != "tensor":
+        was = repr(want[1]) if want[2] else f"a {type(want[1]).__name__} object"
+        now = repr(value) if _plain(value) else f"another {type(value).__name__} object"
+        return f"argument {name!r} is {now} and was {was} at the first call"
+    if not isinstance(value, torch.Tensor):
+        return f"argument {name!r} is a {type(value).__name__} and was a tensor at the first call"
+    for what, was, now in (("dtype", want[1], value.dtype), ("device", want[2], value.device),
+                           ("layout", want[3], value.layout)):
+        if was != now:
+            return f"argument {name!r} has {what} {now} and had {was} at the first call"
+    return f"argument {name!r} has shape {tuple(value.shape)} and strides {value.stride()}, and had " \
+           f"{tuple(want[4][0])} and {want[4][1]} at the first call"
