@@ -197,7 +197,7 @@ class Dropped(nn.Module):
         self.embed, self.linear, self.drop = nn.Embedding(32, 8), nn.Linear(8, 8), nn.Dropout(0.5)
 
     def forward(self, ids):
-        return self.drop(self.linear(self.embed(ids))) + torch.zeros(8)  # zeros: in the default dtype
+        return self.drop(self.linear(self.embed(ids))) + torch.zeros(8, device=ids.device)  # in the default dtype
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -282,7 +282,7 @@ class PositionCounter(nn.Module):
         self.embed, self.pos_embed, self.pos = nn.Embedding(32, 8), nn.Embedding(256, 8), 0
 
     def forward(self, ids):
-        positions = torch.arange(self.pos, self.pos + ids.shape[0])
+        positions = torch.arange(self.pos, self.pos + ids.shape[0], device=ids.device)
         self.pos += ids.shape[0]
         return self.embed(ids) + self.pos_embed(positions)
 
@@ -341,7 +341,8 @@ class PlainAttention(nn.Module):
         q, k, v = self.qkv(self.embed(ids)).chunk(3, -1)
         cache_write(k, positions, cache)
         end = int(positions.max()) + 1
-        scores = (q @ cache[:end].T).masked_fill(torch.arange(end)[None] > positions[:, None], float("-inf"))
+        later = torch.arange(end, device=ids.device)[None] > positions[:, None]
+        scores = (q @ cache[:end].T).masked_fill(later, float("-inf"))
         return scores.softmax(-1) @ cache[:end]
 
 
@@ -473,7 +474,7 @@ class LearnedPositions(nn.Module):
         self.embed, self.wpe = nn.Embedding(32, 8), nn.Embedding(table, 8)
 
     def forward(self, ids):
-        return self.embed(ids) + self.wpe(torch.arange(ids.shape[0]))
+        return self.embed(ids) + self.wpe(torch.arange(ids.shape[0], device=ids.device))
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)

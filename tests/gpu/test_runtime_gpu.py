@@ -133,7 +133,7 @@ def test_released_graphs_free_the_pool_and_calls_stay_correct():
         runner(ids, positions, cache)
         assert runner.stats["graphs"] == 3 * len(runner.stats["captured_sizes"]) > 0
         pieces = [piece for graph_runner in runner.frontend.graph_runners for piece in graph_runner.pieces]
-    assert all(not piece.graphs and not piece.outputs for piece in pieces) and runner.state.pool is None
+    assert all(not piece.segments and not piece.outputs for piece in pieces) and runner.state.pool is None
     stats = runner.stats
     assert stats["cuda_graphs"] is False and stats["graphs"] == 0 and stats["captured_sizes"] == []
     replays = stats["replays"]

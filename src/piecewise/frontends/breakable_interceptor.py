@@ -77,6 +77,9 @@ class Interceptor(TorchDispatchMode):
         self.kinds = frontend.kinds
         self.log, self.survey = log, survey
         self.segment: Segment | None = None
+        self.quiet = False
+        """Set while a segment begins or ends: torch's own ops then (the generators' capture bookkeeping) are not the
+        forward's."""
         self.calls = 0
         self.occurrences: dict[tuple, int] = {}
         self.where = "the start of the forward"
@@ -96,12 +99,17 @@ class Interceptor(TorchDispatchMode):
     def _begin(self) -> None:
         if self.recording is not None:
             self.segment = Segment(self.state)
-            self.segment.begin()
+            self.quiet = True
+            try:
+                self.segment.begin()
+            finally:
+                self.quiet = False
 
     def _end(self, at: str) -> None:
         segment, self.segment = self.segment, None
         if segment is None:
             return
+        self.quiet = True
         try:
             recorded = segment.end()
         except RuntimeError as exc:
@@ -114,6 +122,8 @@ class Interceptor(TorchDispatchMode):
                 f"(torch.cuda.current_stream().wait_stream(side)) before the splitting op, or fork it inside the op.",
                 chain=user_chain(),
             ) from exc
+        finally:
+            self.quiet = False
         if recorded:
             segment.replay()  # the splitting op after this segment reads what it computed
             self.recording.steps.append(segment)
@@ -121,7 +131,11 @@ class Interceptor(TorchDispatchMode):
     def _abort(self) -> None:
         segment, self.segment = self.segment, None
         if segment is not None:
-            segment.abandon()
+            self.quiet = True
+            try:
+                segment.abandon()
+            finally:
+                self.quiet = False
 
     # --- ops --------------------------------------------------------------------------------------------
 
@@ -133,6 +147,8 @@ class Interceptor(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.quiet:
+            return func(*args, **(kwargs or {}))
         kind = self.kinds.get(func)
         if kind is None:
             kind = self.kinds[func] = _kind(func, self.frontend.splitting)
