@@ -164,9 +164,32 @@ class ForkedStream(torch.nn.Module):
         return scale(h)
 
 
-def test_an_unjoined_side_stream_is_a_clear_error_not_a_hang():
-    runner = piecewise.compile(ForkedStream().cuda(), piecewise.CaptureConfig(max_tokens=4, frontend="breakable"))
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"side stream.*not joined"):
+class GenericStreamFork(ForkedStream):
+    """A fork through torch's device-generic stream API (``torch.Stream``, ``torch.Event``), which piecewise does not
+    see: the capture cannot end at the splitting op."""
+
+    def forward(self, x):
+        self.side = self.side or torch.Stream(device="cuda")
+        event = torch.Event(device="cuda")
+        event.record(torch.cuda.current_stream())
+        self.side.wait_event(event)
+        with self.side:  # torch.Stream as the current stream
+            h = self.linear(x)
+        return scale(h)
+
+
+def test_a_side_stream_left_open_at_a_splitting_op_is_joined_there_and_one_piecewise_cannot_see_is_a_clear_error():
+    model = ForkedStream().cuda()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=4, frontend="breakable"))
+    with torch.no_grad():
+        for tokens in (3, 1, 4, 2):
+            x = torch.randn(tokens, 8, device="cuda")
+            assert rel_error(runner(x), model(x)) <= 1e-6
+    assert runner.stats["replays"] > 0
+    if not hasattr(torch, "Event") or not hasattr(torch.Stream, "__enter__"):
+        return
+    runner = piecewise.compile(GenericStreamFork().cuda(), piecewise.CaptureConfig(max_tokens=4, frontend="breakable"))
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"cannot be closed.*join it"):
         runner(torch.randn(3, 8, device="cuda"))
     torch.cuda.synchronize()
     assert torch.randn(2, device="cuda").isfinite().all(), "random draws on the device work after the failure"
@@ -214,13 +237,11 @@ def test_verify_on_cuda_graphs_passes_a_correct_model_and_catches_a_decision_fro
     assert report.ok and report.cuda_graphs, str(report)
     assert torch.equal(cache, before)
     model.double = True  # the graphs keep the old branch; eager takes the new one
-    report = runner.verify()
-    if frontend == "breakable":
-        assert not report.ok
-        assert all("replaying the graphs" in r.diverges and "after `break_models::attend_local`" in r.diverges
-                   for r in report.results if not r.ok)
+    if frontend == "breakable":  # the forward read the attribute at capture: its next replay refuses, naming it
+        with pytest.raises(ValueError, match=r"`double` was assigned after the first call, and the forward reads it"):
+            runner.verify()
     else:  # Dynamo guards on the attribute: the changed forward is traced again and runs without graphs
-        assert report.ok
+        assert runner.verify().ok
 
 
 def test_a_cache_write_in_plain_code_is_cut_out_of_every_captured_size():
@@ -271,7 +292,7 @@ def test_a_call_with_other_arguments_than_the_capture_runs_without_graphs_with_o
     x, bias = torch.randn(5, 8, device="cuda"), torch.randn(8, device="cuda")
     with torch.no_grad():
         runner(x)
-        with pytest.warns(UserWarning, match=r"other arguments than its graphs were captured for.*'scale'"):
+        with pytest.warns(UserWarning, match=r"argument 'scale' is given now and was not at the first call"):
             assert rel_error(runner(x, scale=3.0), model(x, scale=3.0)) <= 1e-6
         assert rel_error(runner(x, bias), model(x, bias)) <= 1e-6
         assert rel_error(runner(x), model(x)) <= 1e-6

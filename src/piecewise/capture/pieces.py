@@ -135,8 +135,10 @@ class PieceRunner:
 
 
 def _scalars(args: tuple) -> tuple:
-    """The Python numbers among a piece's inputs, in order."""
-    return tuple(a for a in args if isinstance(a, (int, float, bool)))
+    """The Python numbers among a piece's inputs, in order, and the values of its host tensors (Dynamo passes a
+    Python float it lifted as a CPU tensor; a graph on the device keeps what it read of it at capture)."""
+    return tuple(a if isinstance(a, (int, float, bool)) else tuple(a.reshape(-1).tolist()) for a in args
+                 if isinstance(a, (int, float, bool)) or (isinstance(a, torch.Tensor) and a.device.type == "cpu"))
 
 
 def find_capture_illegal_node(graph: torch.fx.GraphModule, args: tuple) -> torch.fx.Node | None:

@@ -59,8 +59,11 @@ class BreakableFrontend:
         self.kinds: dict[Any, str] = {}
         self.survey: Survey | None = None
         self.surveying: dict[tuple, Observed] | None = None
-        self.logs: dict[int, OpLog] = {}
-        """The last logged run at each size, while the first call prepares."""
+        self.logs: dict[tuple[int, bool], OpLog] = {}
+        self.runs: dict[tuple[int, bool], int] = {}
+        """The last logged run at each (size, whether it captured), while the first call prepares. Runs are compared
+        with runs of their kind only: code that checks ``torch.cuda.is_current_stream_capturing()`` (transformers'
+        masks) takes another path under capture, rightly."""
         self.reads = AttributeReads(parts.model)
         self.graphs_allowed = True
 
@@ -101,13 +104,14 @@ class BreakableFrontend:
             self.logs.clear()
         capturing = call.phase is Phase.CAPTURE and self.graphs_allowed and state.graphs_enabled
         recording = Recording(call.size) if capturing else None
-        log = self._log(call.size) if state.preparing and self.surveying is None and not call.checked else None
+        log = self._log(call.size, capturing) if state.preparing and self.surveying is None and not call.checked \
+            else None
         # The probe of index bounds (runtime.bounds) goes outside: its own reads are not the forward's ops.
         with state.bounds if call.checked else contextlib.nullcontext(), \
                 Interceptor(self, call.num_tokens, call.size, recording, log, self.surveying) as interceptor:
             output = interceptor.forward(arguments)
         if log is not None:
-            self._judge(log, call.size)
+            self._judge(log, call.size, capturing)
         if self.surveying is None:
             dims = self._output_dims(output)
             note_output_dims(state, output, dims)
@@ -133,15 +137,18 @@ class BreakableFrontend:
 
     # --- runs compared while the first call prepares ------------------------------------------------------
 
-    def _log(self, size: int) -> OpLog:
-        """This run's log, compared with the last run at the same size and with the last at the next larger
-        capture size."""
+    def _log(self, size: int, capturing: bool) -> OpLog:
+        """This run's log, compared with the last run of its kind at the same size, unless that was the first there
+        (what a forward builds on first use, a table for a token count, is built in it), and with the last at the
+        next larger capture size."""
         larger = next((s for s in self.ladder.sizes if s > size), None)
-        references = [(size, True), (larger, False)]
-        return OpLog([(s, same, self.logs[s]) for s, same in references if s in self.logs])
+        references = [(size, True)] if self.runs.get((size, capturing), 0) >= 2 else []
+        references.append((larger, False))
+        return OpLog([(s, same, self.logs[(s, capturing)]) for s, same in references if (s, capturing) in self.logs])
 
-    def _judge(self, log: OpLog, size: int) -> None:
-        self.logs[size] = log
+    def _judge(self, log: OpLog, size: int, capturing: bool) -> None:
+        self.logs[(size, capturing)] = log
+        self.runs[(size, capturing)] = self.runs.get((size, capturing), 0) + 1
         for other, same, difference in log.finish():
             if same:
                 raise ForwardRefused(

@@ -36,7 +36,7 @@ def _reading_class(cls: type) -> type:
             if name not in _NOT_PLAIN and name in object.__getattribute__(self, "__dict__"):
                 key = (id(self), name)
                 if key not in _RECORDING[-1]:
-                    _RECORDING[-1][key] = (self, name, innermost_user_line())
+                    _RECORDING[-1][key] = (self, value, innermost_user_line())
             return value
 
         reader = _READING[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
@@ -53,7 +53,8 @@ class AttributeReads:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.reads: dict[tuple[int, str], tuple[Any, str, tuple[str, int] | None]] = {}
+        self.reads: dict[tuple[int, str], tuple[Any, Any, tuple[str, int] | None]] = {}
+        """(id of the module, attribute) → (the module, the value read, where)."""
         self.assigned: list[tuple[Any, str]] = []
 
     def record(self, run: Callable[[], Any]) -> Any:
@@ -79,8 +80,13 @@ class AttributeReads:
             _compat.on_module_assignment(self._assigned)
 
     def _assigned(self, module: torch.nn.Module, name: str) -> None:
-        if (id(module), name) in self.reads and not in_runner_call():  # the forward's own assignments are its own
-            self.assigned.append((module, name))
+        read = self.reads.get((id(module), name))
+        if read is None or in_runner_call():  # the forward's own assignments are its own
+            return
+        value = vars(module).get(name)
+        if value is read[1] or (isinstance(value, (int, float, bool, str)) and value == read[1]):
+            return  # the same value again (an eager call of the model assigning what it had)
+        self.assigned.append((module, name))
 
     def check(self) -> None:
         """Raise ``ValueError`` when an attribute the forward reads was assigned since it was recorded."""

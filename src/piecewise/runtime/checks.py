@@ -49,9 +49,10 @@ class RandomState:
 
 
 def check_padding(core: Core, arguments: dict[str, Any]) -> None:
-    """Run the first call's leading tokens padded by one row, after a run that traces (Dynamo) and compares (the
-    breakable front-end's op logs: the same call twice, the generators moved on in between), the padding rows zero
-    and then copies of real rows. A forward whose pieces compute each row from that row alone (attention and other
+    """Run the first call's leading tokens padded by one row, after a run that traces (Dynamo) and builds what the
+    forward builds on first use, the padding rows zero and then copies of real rows (the generators put back in
+    between), and once more with the generators moved on: the breakable front-end compares the runs' op logs, and a
+    value drawn in Python differs in the last. A forward whose pieces compute each row from that row alone (attention and other
     cross-token code in splitting ops) gives the same real rows both times; one that mixes rows (a sum or softmax
     over the tokens, ``x[-1]``) would return padding-dependent numbers on every padded call: refused here."""
     sizes = [size for size in core.ladder.sizes if size >= 2]
@@ -62,20 +63,18 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
     rows = min(arguments[given[0]].shape[0], size - 1)
     results = []
     first = RandomState()
-    for fill in ("trace", "zeros", "copies"):
-        if fill == "trace":
-            first.restore()
-        elif fill == "zeros":
-            moved = RandomState()  # no restore: a value drawn in Python differs from the run before
-        else:
-            moved.restore()  # both compared runs draw the same random numbers: only the padding differs
+    for fill in ("trace", "zeros", "copies", "again"):
+        if fill == "zeros":
+            drawn = RandomState()
+        elif fill == "copies":
+            drawn.restore()  # both compared runs draw the same random numbers: only the padding differs
         staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
         if fill == "copies":
             core.stager.fill_padding_with_copies(arguments, given, rows, size)
         output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
         results.append(core.finish(output, rows, size, clone=True))
     first.restore()
-    for index, (zeros, copies) in enumerate(zip(*(torch.utils._pytree.tree_leaves(r) for r in results[1:]))):
+    for index, (zeros, copies) in enumerate(zip(*(torch.utils._pytree.tree_leaves(r) for r in results[1:3]))):
         if not isinstance(zeros, torch.Tensor) or zeros.is_complex():
             continue
         if zeros.is_floating_point():
