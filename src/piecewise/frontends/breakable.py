@@ -104,8 +104,8 @@ class BreakableFrontend:
             self.logs.clear()
         capturing = call.phase is Phase.CAPTURE and self.graphs_allowed and state.graphs_enabled
         recording = Recording(call.size) if capturing else None
-        log = self._log(call.size, capturing) if state.preparing and self.surveying is None and not call.checked \
-            else None
+        logged = state.preparing and self.surveying is None and not call.checked and not call.full
+        log = self._log(call.size, capturing) if logged else None
         # The probe of index bounds (runtime.bounds) goes outside: its own reads are not the forward's ops.
         with state.bounds if call.checked else contextlib.nullcontext(), \
                 Interceptor(self, call.num_tokens, call.size, recording, log, self.surveying) as interceptor:

@@ -156,7 +156,7 @@ class OpLog:
     (``references``: (their size, whether they ran the same call, their log)), noting the first difference from each
     with the model line where it happened."""
 
-    __slots__ = ("entries", "lines", "references", "differences", "stopped")
+    __slots__ = ("entries", "lines", "references", "differences", "stopped", "upload_at")
 
     def __init__(self, references: list[tuple[int, bool, "OpLog"]] = ()):
         self.entries: list[tuple] = []
@@ -164,6 +164,8 @@ class OpLog:
         self.references = [(size, same, log) for size, same, log in references]
         self.differences: list[str | None] = [None] * len(self.references)
         self.stopped = False
+        self.upload_at: set[int] = set()
+        """Where an op uploaded host data (``torch.tensor(list)``, a copy from the host)."""
 
     def stop(self) -> None:
         """A value was read back to the host (outside a capture: a CPU run): what follows may branch on data,
@@ -181,30 +183,54 @@ class OpLog:
             if self.differences[position] is not None:
                 continue
             entries = log.entries
-            if index >= len(entries):
-                self.differences[position] = f"{_op(func)} at {line_text(line)} (an op the other run did not reach)"
+            other = entries[index] if index < len(entries) else None
+            if other is not None and other[0] is func:
+                if len(other[1]) != len(entry[1]) or not all(_agree(p, q, same) for p, q in zip(other[1], entry[1])):
+                    self.differences[position] = f"{_op(func)} at {line_text(line)} ({other[1]} then {entry[1]})"
                 continue
-            other = entries[index]
-            if other[0] is not func or len(other[1]) != len(entry[1]) or not all(
-                    _agree(p, q, same) for p, q in zip(other[1], entry[1])):
-                if other[0] is func:
-                    what = f"{other[1]} then {entry[1]}"
-                else:
-                    what = f"the other run had {_op(other[0])} at {line_text(log.lines[index])} there"
-                self.differences[position] = f"{_op(func)} at {line_text(line)} ({what})"
+            # Another op here. The same call at the same size takes another path only through data or first-use
+            # work (a table built once), and between sizes a path that only uploads host data is first-use work
+            # too: the comparison ends there. Any other change of path between sizes is a branch on the count.
+            if same or _uploads(func, args) or (other is not None and log.uploads(index)):
+                self.differences[position] = ""
+            elif other is None:
+                self.differences[position] = f"{_op(func)} at {line_text(line)} (an op the other run did not reach)"
+            else:
+                self.differences[position] = f"{_op(func)} at {line_text(line)} (the other run had {_op(other[0])} " \
+                                             f"at {line_text(log.lines[index])} there)"
+        if _uploads(func, args):
+            self.upload_at.add(index)
+
+    def uploads(self, index: int) -> bool:
+        return index in self.upload_at
 
     def finish(self) -> list[tuple[int, bool, str]]:
         """(size, same call, where) of each earlier run this one differs from."""
         found = []
         for position, (size, same, log) in enumerate(self.references):
             difference = self.differences[position]
-            if difference is None and len(log.entries) > len(self.entries) and not (self.stopped or log.stopped):
+            if difference is None and len(log.entries) > len(self.entries) and not (self.stopped or log.stopped
+                                                                                     or same):
                 index = len(self.entries)
                 difference = f"the end of the forward, where the other run went on to {_op(log.entries[index][0])} " \
                              f"at {line_text(log.lines[index])}"
-            if difference is not None:
+            if difference:  # "": the comparison ended without a verdict
                 found.append((size, same, difference))
         return found
+
+
+_UPLOADS = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy", "aten::scalar_tensor"})
+
+
+def _uploads(func: Any, args: tuple) -> bool:
+    """Whether an op brings host data to the device: a tensor made from Python values, or a copy from the host."""
+    name = func._schema.name
+    if name in _UPLOADS:
+        return True
+    if name in ("aten::_to_copy", "aten::copy_"):
+        source = args[1] if name == "aten::copy_" and len(args) > 1 else args[0] if args else None
+        return isinstance(source, torch.Tensor) and source.device.type == "cpu"
+    return False
 
 
 def _op(func: Any) -> str:
