@@ -189,7 +189,8 @@ def test_a_side_stream_left_open_at_a_splitting_op_is_joined_there_and_one_piece
     if not hasattr(torch, "Event") or not hasattr(torch.Stream, "__enter__"):
         return
     runner = piecewise.compile(GenericStreamFork().cuda(), piecewise.CaptureConfig(max_tokens=4, frontend="breakable"))
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"(?s)cannot be closed.*join it"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"(?s)capture_illegal.*(cannot be closed|could not "
+                                                            r"record).*(join it|join side streams)"):
         runner(torch.randn(3, 8, device="cuda"))
     torch.cuda.synchronize()
     assert torch.randn(2, device="cuda").isfinite().all(), "random draws on the device work after the failure"

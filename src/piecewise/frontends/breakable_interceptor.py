@@ -88,8 +88,17 @@ class Interceptor(TorchDispatchMode):
         self._begin()
         try:
             output = self.frontend.model(**arguments)
-        except BaseException:
+        except BaseException as exc:
+            capturing = self.segment is not None
             self._abort()
+            if capturing and isinstance(exc, RuntimeError) and not isinstance(exc, CaptureFailed) \
+                    and "captur" in str(exc):  # torch refused a CUDA call while the stream captured
+                raise CaptureFailed(
+                    f"piecewise [capture_illegal]: the CUDA graph from {self.where} could not record what the forward "
+                    f"did next ({exc}). Work on a stream or event piecewise does not see (torch.Stream, torch.Event), "
+                    f"a wait for the host or an allocation outside the pool is illegal while a graph captures: join "
+                    f"side streams through torch.cuda.Stream.wait_stream, or move the code into a splitting op.",
+                    chain=user_chain()) from exc
             raise
         self._end(at="the end of the forward")
         return output
