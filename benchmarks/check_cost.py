@@ -67,8 +67,8 @@ def main() -> int:
     with torch.no_grad():
         for frontend in ("dynamo", "breakable"):
             for mode in ("piecewise", "full_and_piecewise"):
-                runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=64, frontend=frontend,
-                                                                          graph_mode=mode))
+                runner = piecewise.compile(model, piecewise.CaptureConfig(
+                    max_tokens=64, frontend=frontend, graph_mode=mode, max_decode_batch=max(BATCHES)))
                 ids, positions, _ = inputs(max(BATCHES), cache, L16.vocab_size)
                 runner.capture(ids, positions, cache)
                 for batch in BATCHES:

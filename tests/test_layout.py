@@ -22,16 +22,12 @@ def _modules() -> dict[str, str]:
 
 
 def _imports(module: str, path: str, known: set[str]) -> set[str]:
-    """Modules of the package that ``module`` imports, anywhere in the file (in functions too), except under
-    ``if TYPE_CHECKING:``."""
+    """Modules of the package that ``module`` imports, anywhere in the file (in functions and under
+    ``if TYPE_CHECKING:`` too: a circle for type hints is a circle)."""
     tree = ast.parse(open(path).read())
     package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-               for n in ast.walk(node)}
     targets = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -264,11 +264,10 @@ def last_guard_failure(method: Any) -> tuple[str, tuple[str, int, str] | None] |
 
 # --- side streams forked while a graph captures ------------------------------------------------------------------
 # A forward may fork a side stream from the capturing stream (``side.wait_stream(current)``, or an event recorded
-# on it that ``side`` waits for) and join it later than the next graph boundary (a splitting op). The capture
-# cannot end with the fork open ("capturing stream has unjoined work"). While piecewise captures, these hooks on
-# ``torch.cuda.Stream.wait_event`` and ``torch.cuda.Event.record`` note each fork, so that the graph's end can
-# join it, as SGLang's breakable graphs do; a later join of a stream joined that way is then a no-op (its work is
-# in the earlier graph). Installed for the length of a capture session only.
+# on it that ``side`` waits for) and join it after the next graph boundary (a splitting op): the capture cannot
+# end with the fork open. While piecewise captures, hooks on ``torch.cuda.Stream.wait_event`` and
+# ``torch.cuda.Event.record`` note each fork for the graph's end to join, as SGLang does; a later join of such a
+# stream is then a no-op.
 _fork_sinks: dict[int, list] = {}
 """Capturing stream's handle → the streams forked from it since its graph began."""
 _joined: set[int] = set()
@@ -334,6 +333,15 @@ def join_forks(stream: Any) -> int:
     return len(seen)
 
 
+# nn.Module's own entries in a module's __dict__: what is left are the attributes its code set.
+MODULE_BOOKKEEPING = frozenset({
+    "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_backward_pre_hooks",
+    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl",
+})
+
+
 # --- module attributes assigned -----------------------------------------------------------------------------------
 _assignment_callbacks: list = []  # weakref.WeakMethod of each callback
 _MODULE_SETATTR = torch.nn.Module.__setattr__  # as torch defines it
@@ -371,8 +379,7 @@ def global_state_guard() -> Any:
     return torch._C._dynamo.guards.GlobalStateGuard()
 
 
-# Parts of the global state that change no graph's numbers.
-BENIGN_GLOBAL_STATE = frozenset({"num_threads"})
+BENIGN_GLOBAL_STATE = frozenset({"num_threads"})  # parts of the global state that change no graph's numbers
 
 
 class Addresses:

@@ -18,13 +18,6 @@ from .. import _compat
 from ..capture.segment import in_runner_call
 from .user_frames import innermost_user_line, line_text
 
-# nn.Module's own bookkeeping, and the mode the runtime checks itself (CallGuard).
-_NOT_PLAIN = frozenset({
-    "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_backward_pre_hooks",
-    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl",
-})
 _READING: dict[type, type] = {}
 
 
@@ -33,7 +26,7 @@ def _reading_class(cls: type) -> type:
     if reader is None:
         def __getattribute__(self, name):
             value = object.__getattribute__(self, name)
-            if name not in _NOT_PLAIN and name in object.__getattribute__(self, "__dict__"):
+            if name not in _compat.MODULE_BOOKKEEPING and name in object.__getattribute__(self, "__dict__"):
                 key = (id(self), name)
                 if key not in _RECORDING[-1]:
                     _RECORDING[-1][key] = (self, value, innermost_user_line())

@@ -16,19 +16,13 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused
 from .core import Core
 from .verify import rel_error, tolerance
 
-# nn.Module's own bookkeeping: parameters, buffers and submodules are watched elsewhere (ParameterWatch).
-_MODULE_KEYS = frozenset({
-    "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_backward_pre_hooks",
-    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl",
-})
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
@@ -52,9 +46,10 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
     """Run the first call's leading tokens padded by one row, after a run that traces (Dynamo) and builds what the
     forward builds on first use, the padding rows zero and then copies of real rows (the generators put back in
     between), and once more with the generators moved on: the breakable front-end compares the runs' op logs, and a
-    value drawn in Python differs in the last. A forward whose pieces compute each row from that row alone (attention and other
-    cross-token code in splitting ops) gives the same real rows both times; one that mixes rows (a sum or softmax
-    over the tokens, ``x[-1]``) would return padding-dependent numbers on every padded call: refused here."""
+    value drawn in Python differs in the last. A forward whose pieces compute each row from that row alone
+    (attention and other cross-token code in splitting ops) gives the same real rows both times; one that mixes rows
+    (a sum or softmax over the tokens, ``x[-1]``) would return padding-dependent numbers on every padded call:
+    refused here."""
     sizes = [size for size in core.ladder.sizes if size >= 2]
     if not sizes:
         return
@@ -136,12 +131,12 @@ class ModuleState:
         self.model = model
         self.saved = {(name, key): (module, value, _copy(value))
                       for name, module in model.named_modules() for key, value in vars(module).items()
-                      if key not in _MODULE_KEYS}
+                      if key not in _compat.MODULE_BOOKKEEPING}
         self.fingerprints = self.take()
 
     def take(self) -> dict[tuple[str, str], Any]:
         return {(name, key): _fingerprint(value) for name, module in self.model.named_modules()
-                for key, value in vars(module).items() if key not in _MODULE_KEYS}
+                for key, value in vars(module).items() if key not in _compat.MODULE_BOOKKEEPING}
 
     def changed(self) -> list[str]:
         """``module.attribute: before -> now`` for each attribute a run changed since the last ``changed``."""
@@ -165,8 +160,9 @@ class ModuleState:
                 value.clear()
                 value.update(copy)
             vars(module)[key] = value
+        saved = self.saved
         for name, module in self.model.named_modules():
-            for key in [k for k in vars(module) if k not in _MODULE_KEYS and (name, k) not in self.saved]:
+            for key in [k for k in vars(module) if k not in _compat.MODULE_BOOKKEEPING and (name, k) not in saved]:
                 del vars(module)[key]
 
 
