@@ -504,3 +504,52 @@ def test_a_token_model_given_a_cache_without_enable_is_refused():
     cache = torch.zeros(1, 2, 16, 1, 8)
     with pytest.raises(ValueError, match=r"call piecewise.integrations.transformers.enable\(model\)"):
         token_model(torch.randint(0, 64, (3,)), torch.arange(3), cache)
+
+
+# --- attention metadata passed as an object (SGLang's forward batch, vLLM's metadata) -----------------------------
+
+class Metadata:
+    def __init__(self, positions: torch.Tensor, scale: float):
+        self.positions, self.scale = positions, scale
+
+
+@piecewise.opaque_op("test_trust::shifted", split=True)
+def shifted(x: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    return x * scale + positions[:, None].to(x.dtype)
+
+
+class WithMetadataArgument(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+
+    def forward(self, ids, meta):
+        return shifted(self.embed(ids), meta.positions[: ids.shape[0]], meta.scale)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_metadata_object_updated_in_place_is_right_and_a_new_one_over_the_same_buffers_replays(frontend):
+    """Breakable replays read what the object held at capture: an object whose fields changed (in place, or a new
+    one) runs the model's own forward with one warning; one holding the same buffers and values replays. Dynamo
+    reads the fields again on every call."""
+    torch.manual_seed(0)
+    model = WithMetadataArgument()
+    runner = piecewise.compile(model, config(frontend), dynamic={"ids": 0})
+    buffer = torch.arange(MAX + 1)
+    meta = Metadata(buffer, 1.0)
+    ids = torch.randint(0, 32, (5,))
+    runner(ids, meta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same = Metadata(buffer, 1.0)  # a new object over the same buffer: nothing the graphs read changed
+        torch.testing.assert_close(runner(ids, same), model(ids, same))
+        buffer.add_(3)  # the buffer's contents, in place: read at replay
+        torch.testing.assert_close(runner(ids, meta), model(ids, meta))
+    meta.scale = 2.0  # a field, in place
+    meta.positions = torch.arange(MAX + 1) * 2  # another tensor
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(runner(ids, meta), model(ids, meta))
+    ours = [str(w.message) for w in caught if "piecewise" in str(w.message)]
+    if frontend == "breakable":
+        assert len(ours) == 1 and "argument 'meta' holds other values than at the first call" in ours[0]

@@ -9,23 +9,48 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..errors import ForwardRefused
 from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dims
 from ..opaque import op_name, opaque_op_info
 from .splitcall import Roles, SplitCall
 from .state import CaptureState, Phase
 
 
-def traced_roles(module: torch.fx.GraphModule, cut: bool) -> Roles:
+def traced_roles(module: torch.fx.GraphModule, cut: bool, sizes: list[int]) -> Roles:
     """What carries the tokens in a traced splitting op's partition: input tensors in every dimension that is the
-    token symbol, Python ints that are the count or computed from it (``x.shape[0]``, ``2 * x.shape[0]``), outputs
-    whose dimension 0 is it."""
+    token count at every capture size (the symbol itself, or an expression such as ``Min(s0, 9)`` that equals it
+    there), Python ints that are the count or computed from it (``x.shape[0]``, ``2 * x.shape[0]``), outputs whose
+    dimension 0 is it. An input dimension computed from the count otherwise cannot be cut to the real rows:
+    refused (``token_layout``)."""
     values = placeholder_values(module)
-    inputs = tuple((index, dim) for index, value in enumerate(values) for dim in token_dims(value))
+    inputs = []
+    for index, value in enumerate(values):
+        inputs.extend((index, dim) for dim in token_dims(value))
+        for dim, extent in enumerate(getattr(value, "shape", ())):
+            if _compat.symbolic(extent) and not _compat.is_plain_symbol(extent):
+                if all(_value_at(extent, size) == size for size in sizes):
+                    inputs.append((index, dim))
+                else:
+                    raise ForwardRefused(
+                        f"piecewise: input {index} of `{op_name(_only_op(module)) or 'a splitting op'}` has dimension "
+                        f"{dim} of `{extent}` tokens: it grows with the token count without being it, so piecewise "
+                        f"cannot cut it to a call's real tokens. Keep one row per token in one dimension (reshape "
+                        f"[tokens * n, ...] to [tokens, n, ...]).", "token_layout")
     counts = tuple((index, _count_function(value)) for index, value in enumerate(values)
                    if isinstance(value, torch.SymInt) and _compat.symbolic(value))
     outputs = output_values(module)
     flat = [outputs] if not isinstance(outputs, (tuple, list)) else list(outputs)
-    return Roles(inputs, counts, tuple(is_token_tensor(v) for v in flat), _written_inputs(module))
+    return Roles(tuple(inputs), counts, tuple(is_token_tensor(v) for v in flat), _written_inputs(module))
+
+
+def _value_at(extent: torch.SymInt, size: int) -> int:
+    expr = extent.node.expr
+    return int(expr.subs({symbol: size for symbol in expr.free_symbols}))
+
+
+def _only_op(module: torch.fx.GraphModule):
+    nodes = [n for n in module.graph.nodes if n.op == "call_function"]
+    return nodes[0].target if len(nodes) == 1 else None
 
 
 def _count_function(value: torch.SymInt) -> Callable[[int], int] | None:
@@ -56,16 +81,16 @@ def _written_inputs(module: torch.fx.GraphModule) -> tuple[int, ...]:
 class SplitOpRunner:
     """What the split graph calls in place of one splitting op's partition."""
 
-    def __init__(self, name: str, module: torch.fx.GraphModule, op: str, state: CaptureState, cut: bool = False,
-                 by_shape: bool = False):
+    def __init__(self, name: str, module: torch.fx.GraphModule, op: str, state: CaptureState, sizes: list[int],
+                 cut: bool = False, by_shape: bool = False):
         self.name = name
         self.module = module
         self.op_name = op
         self.state = state
         self.call = self._direct_call(module) or module.forward
         call = self.call
-        self.split = SplitCall(op, lambda args: call(*args), traced_roles(module, cut), state, probed=not cut, cut=cut,
-                               by_shape=by_shape)
+        roles = Roles() if by_shape else traced_roles(module, cut, sizes)
+        self.split = SplitCall(op, lambda args: call(*args), roles, state, probed=not cut, cut=cut, by_shape=by_shape)
 
     @staticmethod
     def _direct_call(module: torch.fx.GraphModule) -> Callable | None:

@@ -123,7 +123,7 @@ class DynamoFrontend:
             _refuse_mixed_values(graph, self.state)
         splitting = self.splitting_ops()
         runner = GraphRunner(graph, self.state, self.compiler, splitting, static_writes(graph, token_inputs, splitting),
-                             after_break=self.tracer.graph_breaks)
+                             after_break=self.tracer.graph_breaks, sizes=self.ladder.sizes)
         self.graph_runners.append(runner)
         self._on_new_graph(runner)
         return runner

@@ -27,6 +27,7 @@ class GraphRunner:
         splitting_ops: frozenset[str],
         eager_writes: dict[torch.fx.Node, str] | None = None,
         after_break: bool = False,
+        sizes: list[int] = (),
     ):
         self.state = state
         self.after_break = after_break
@@ -39,7 +40,7 @@ class GraphRunner:
         self.splitting_ops: list[SplitOpRunner] = []
         for partition in partitions:
             if partition.splitting_op is not None:
-                runner = SplitOpRunner(partition.name, partition.module, partition.splitting_op, state,
+                runner = SplitOpRunner(partition.name, partition.module, partition.splitting_op, state, list(sizes),
                                        cut=partition.splitting_op not in splitting_ops, by_shape=after_break)
                 self.splitting_ops.append(runner)
             else:

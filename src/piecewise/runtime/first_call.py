@@ -147,7 +147,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     if not use_graphs:
         reason = "disabled by CaptureConfig(cuda_graphs=False)" if not core.config.cuda_graphs else "no CUDA"
         logger.info("piecewise: pieces run without CUDA graphs (%s)", reason)
-    core.guard.record(arguments, list(core.arguments.dynamic))
+    core.guard.record(arguments, list(core.arguments.dynamic), deep=not core.frontend.replays_python)
     if core.config.verify != "off":
         sizes = core.ladder.sizes if core.config.verify == "all" else sorted({core.ladder.sizes[0],
                                                                              core.ladder.sizes[-1]})

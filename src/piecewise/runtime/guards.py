@@ -5,8 +5,11 @@
   microsecond). A change of the thread count changes no kernel and is taken as it is.
 - The model's train/eval mode.
 - Each argument's kind: a tensor's dtype, device and layout (a static tensor's shape and strides too, since the
-  graphs read it in place), a Python argument's value (numbers, strings, flags, None; any other object by
-  identity).
+  graphs read it in place), a Python argument's value (numbers, strings, flags, None). Any other object, where
+  replays run no Python (breakable), by what its fields hold: the tensors in it by address and shape, its numbers
+  by value, so that attention metadata passed as an object and updated in place between calls is seen, and a new
+  object holding the same buffers replays; with Dynamo, whose guards check it and whose bytecode reads its fields on
+  every call, as Dynamo does.
 
 A call that differs runs the model's own forward, without padding or graphs (right, and slower), with one warning
 per distinct difference naming it. Parameters replaced or moved are ``ParameterWatch``'s (an error: compile again).
@@ -40,11 +43,12 @@ class CallGuard:
         self.expected: dict[str, tuple] = {}
         self.warned: set[str] = set()
 
-    def record(self, arguments: dict[str, Any], token_names: list[str]) -> None:
-        """Take the first call's (inside ``torch.inference_mode()``, like every later check)."""
+    def record(self, arguments: dict[str, Any], token_names: list[str], deep: bool) -> None:
+        """Take the first call's (inside ``torch.inference_mode()``, like every later check). ``deep``: compare
+        objects by their fields (the graphs read what they held at capture), not by identity."""
         self.global_state = _compat.global_state_guard()
         self.training = self.model.training
-        self.expected = {name: _kind(value, name in token_names) for name, value in arguments.items()
+        self.expected = {name: _kind(value, name in token_names, deep) for name, value in arguments.items()
                          if value is not None}
 
     def difference(self, arguments: dict[str, Any]) -> str | None:
@@ -75,6 +79,11 @@ class CallGuard:
                 if want[0] != "tensor" or value.dtype != want[1] or value.device != want[2] or \
                         value.layout != want[3] or (want[4] is not None and (value.shape, value.stride()) != want[4]):
                     return _describe(name, want, value)
+            elif want[0] == "object":
+                if fingerprint(value) != want[2]:
+                    return _describe_object(name, want, value)
+            elif want[0] == "traced":
+                continue  # Dynamo guards the object itself, and its bytecode reads its fields on every call
             elif want[0] == "tensor" or not (value is want[1] or (want[2] and value == want[1])):
                 return _describe(name, want, value)
         if given != len(expected):
@@ -92,10 +101,51 @@ class CallGuard:
             f"compile a separate runner for this variant.", stacklevel=3)
 
 
-def _kind(value: Any, token: bool) -> tuple:
+def _kind(value: Any, token: bool, deep: bool) -> tuple:
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, value.device, value.layout, None if token else (value.shape, value.stride()))
-    return ("python", value, _plain(value))
+    if not _plain(value):
+        return ("object", value, fingerprint(value)) if deep else ("traced", value, False)
+    return ("python", value, True)
+
+
+def fingerprint(value: Any, depth: int = 3) -> Any:
+    """What a replay depends on of a Python object: tensors by address, shape, strides, dtype and device, numbers and
+    flags by value, containers and objects' fields (``__dict__``, ``__slots__``) by theirs, ``depth`` levels down."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.device)
+    if _plain(value):
+        return value
+    if depth == 0 or isinstance(value, torch.nn.Module):
+        return ("object", id(value))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(fingerprint(v, depth - 1) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((key, fingerprint(v, depth - 1)) for key, v in value.items()))
+    fields = getattr(value, "__dict__", None)
+    if fields is None:
+        slots = [name for cls in type(value).__mro__ for name in getattr(cls, "__slots__", ())]
+        fields = {name: getattr(value, name) for name in slots if hasattr(value, name)} if slots else None
+    if fields is None:
+        return ("object", id(value))
+    return (type(value), tuple((key, fingerprint(v, depth - 1)) for key, v in fields.items()))
+
+
+def _describe_object(name: str, want: tuple, value: Any) -> str:
+    field = _changed_field(want[2], fingerprint(value))
+    return f"argument {name!r} holds other values than at the first call" + (f" (field `{field}`)" if field else "") \
+        + ", and the graphs read what it held then"
+
+
+def _changed_field(was: Any, now: Any) -> str | None:
+    """The first field of an object whose fingerprint differs, where both are one object's fields."""
+    if not (isinstance(was, tuple) and isinstance(now, tuple) and len(was) == len(now) == 2 and was[0] is now[0]):
+        return None
+    try:
+        old, new = dict(was[1]), dict(now[1])
+    except (TypeError, ValueError):
+        return None
+    return next((str(key) for key in {**old, **new} if old.get(key) != new.get(key)), None)
 
 
 def _describe(name: str, want: tuple, value: Any) -> str:
