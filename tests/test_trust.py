@@ -553,3 +553,60 @@ def test_a_metadata_object_updated_in_place_is_right_and_a_new_one_over_the_same
     ours = [str(w.message) for w in caught if "piecewise" in str(w.message)]
     if frontend == "breakable":
         assert len(ours) == 1 and "argument 'meta' holds other values than at the first call" in ours[0]
+
+
+def test_front_end_and_compiler_names_are_listed_once_and_the_registries_hold_exactly_those():
+    from piecewise.capture.compilers import COMPILERS
+    from piecewise.config import COMPILERS as COMPILER_NAMES
+    from piecewise.config import FRONTENDS as FRONTEND_NAMES
+    from piecewise.frontends import REGISTRY
+
+    assert set(REGISTRY) == set(FRONTEND_NAMES) - {"auto"} and set(COMPILERS) == set(COMPILER_NAMES)
+
+
+class WeightItem(nn.Module):
+    """A host read of a weight (not of the tokens) in forward: illegal while a graph captures, on every device."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.linear = nn.Embedding(32, 8), nn.Linear(8, 8)
+
+    def forward(self, ids):
+        scale = self.linear.weight.abs().max().item()
+        return self.linear(self.embed(ids)) / scale
+
+
+def test_the_doctor_and_compile_give_one_answer_on_a_weights_item():
+    model = WeightItem()
+    report = piecewise.doctor(model, torch.randint(0, 32, (5,)))
+    runner = piecewise.compile(model, config("auto"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CaptureFailed, match=r"self\.linear\.weight\.abs\(\)\.max\(\)\.item\(\)"):
+            runner(torch.randint(0, 32, (5,)))
+    assert not report.ok and report.recommended[0] is None
+    assert any("item" in blocker.message for blocker in report.blockers)
+
+
+def test_a_branch_on_the_token_count_after_the_rope_tables_is_blamed_on_its_own_line():
+    from piecewise.models import example
+    from piecewise.models.llama import TinyLlama, rotary_tables
+
+    class Branchy(TinyLlama):
+        def forward(self, input_ids, positions, kv_cache):
+            x = self.embed(input_ids)
+            rotary = rotary_tables(positions, self.config.head_dim, self.config.rope_theta)
+            if input_ids.shape[0] > 5:  # the line to name
+                x = x * 1.5
+            for layer in self.layers:
+                x = layer(x, positions, kv_cache, rotary)
+            return self.lm_head(self.norm(x))
+
+    model, (ids, positions, cache) = example(tokens=3, model_class=Branchy)
+    for frontend in FRONTENDS:
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(ForwardRefused, match=r"(if input_ids\.shape\[0\] > 5|x = x \* 1\.5)") as refused:
+                runner(ids, positions, cache.clone())
+        assert "rotary" not in str(refused.value).split("piecewise:")[1].split(".")[0]

@@ -22,7 +22,7 @@ from rich.text import Text
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from piecewise.diagnostics.blockers import Blocker, _source_file, blockers_from_exception, find_blockers
+from piecewise.diagnostics.blockers import Blocker, _source_file, blockers_from_exception, find_blockers, remembered
 from piecewise.diagnostics.classify import FIXES
 from piecewise.frontends.user_frames import chain_text, user_chain
 from piecewise.opaque import opaque_op_info
@@ -199,7 +199,7 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
         return DoctorReport(blockers=[_batch_first(model, first)])
     tokens = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
     metadata = _MetadataOps(tokens)
-    with torch.no_grad():
+    with torch.no_grad(), remembered():  # the trace's blockers, found once for the trials too
         try:
             with metadata:
                 model(*args, **kwargs)
@@ -215,30 +215,34 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
         seen = {str(b.location) for b in blockers}  # one report per line: the trace's, which comes first
         blockers.extend(b for b in trial or [] if str(b.location) not in seen)
         breakable = auto = None
-        outcome = _auto_trial(model, args, kwargs) if (blockers or size_notes) and isinstance(model, torch.nn.Module) \
-            else None
+        seen_breakable: list = []
+        outcome = _auto_trial(model, args, kwargs, bool(blockers), seen_breakable) \
+            if (blockers or size_notes) and isinstance(model, torch.nn.Module) else None
         if outcome is not None:  # what compile(model) then does
             taken, reason, refused = outcome
             auto = (taken, reason)
             # one blocker per problem: the trace's, where it named the line or the kind
             kinds, lines = {b.kind for b in blockers}, {str(b.location) for b in blockers}
             blockers.extend(b for b in refused if b.kind not in kinds and str(b.location) not in lines)
-            if taken != "breakable":
-                breakable = _trial_capture(model, args, kwargs, "breakable_trial")
-            else:
+            if taken == "breakable":
                 breakable = []
+            elif blockers and seen_breakable:
+                breakable = seen_breakable
+            else:
+                breakable = _trial_capture(model, args, kwargs, "breakable_trial")
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
                         first_call_checked=trial is not None, breakable_blockers=breakable,
                         warnings=list(metadata.found.values()), size_notes=size_notes, auto=auto)
 
 
-def _auto_trial(model: Any, args: tuple, kwargs: dict) -> tuple[str | None, str, list[Blocker]] | None:
+def _auto_trial(model: Any, args: tuple, kwargs: dict, dynamo_blocked: bool,
+                breakable: list) -> tuple[str | None, str, list[Blocker]] | None:
     """What ``frontend="auto"`` does on the inputs (``runtime.auto_trial``), or None when this runtime has no trial."""
     auto_trial = getattr(importlib.import_module("piecewise.runtime"), "auto_trial", None)
     if auto_trial is None:
         return None
     try:
-        return auto_trial(model, args, kwargs)
+        return auto_trial(model, args, kwargs, dynamo_blocked, breakable)
     except Exception as exc:  # noqa: BLE001 - e.g. a Dynamo error: as a blocker, compile would raise it too
         return None, "", blockers_from_exception(exc, root_file=_source_file(model))
 

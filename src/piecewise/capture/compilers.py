@@ -38,7 +38,8 @@ class InductorCompiler(PieceCompiler):
         return _compat.compile_with_inductor(graph, example_inputs)
 
 
-COMPILERS: dict[str, type[PieceCompiler]] = {"eager": EagerCompiler, "inductor": InductorCompiler}
+COMPILERS: dict[str, type[PieceCompiler]] = {cls.name: cls for cls in (EagerCompiler, InductorCompiler)}
+"""Compiler name (``config.COMPILERS`` lists them) → its class."""
 
 
 def make_compiler(name: str) -> PieceCompiler:

@@ -8,12 +8,14 @@ matters, the call chain from the model's forward down to the offending line, and
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import linecache
 import logging
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,8 +211,31 @@ def _forward_order(blockers: list[Blocker], root_file: str | None) -> list[Block
     return sorted(blockers, key=key)
 
 
+_MEMO: list[dict] = []  # while the doctor runs (``remembered``): blockers by forward and input kinds
+
+
+@contextlib.contextmanager
+def remembered() -> Iterator[None]:
+    """Within the block, ``find_blockers`` of the same forward on inputs of the same kinds is found once: the doctor's
+    own trace and its trial first calls (each front-end it tries) ask for the same list."""
+    _MEMO.append({})
+    try:
+        yield
+    finally:
+        _MEMO.pop()
+
+
+def _memo_key(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    function = getattr(fn, "__func__", fn)
+    function = getattr(function, "__wrapped__", function)  # a runner's private copy of the forward
+    kinds = tuple((type(v).__name__, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v)[:64]
+                  for v in (*args, *kwargs.values()))
+    return getattr(function, "__code__", function), id(getattr(fn, "__self__", None)), tuple(kwargs), kinds
+
+
 def find_blockers(fn: Callable, args: tuple = (), kwargs: dict | None = None) -> list[Blocker]:
-    """Every capture blocker of ``fn(*args, **kwargs)``, in forward order, without duplicates.
+    """Every capture blocker of ``fn(*args, **kwargs)``, in forward order, without duplicates (found once per forward
+    and input kinds inside ``remembered``).
 
     Runs ``torch._dynamo.explain`` (graph breaks do not stop it, so it sees past the first blocker), scans
     the graphs it produced for host copies and Python RNG inputs Dynamo traces without breaking, then
@@ -219,6 +244,16 @@ def find_blockers(fn: Callable, args: tuple = (), kwargs: dict | None = None) ->
     ``explain``, this resets Dynamo's compiled-frame caches: later ``torch.compile`` calls start afresh.
     """
     kwargs = dict(kwargs or {})
+    key = _memo_key(fn, args, kwargs) if _MEMO else None
+    if key is not None and key in _MEMO[-1]:
+        return list(_MEMO[-1][key])
+    found = _find_blockers(fn, args, kwargs)
+    if key is not None:
+        _MEMO[-1][key] = list(found)
+    return found
+
+
+def _find_blockers(fn: Callable, args: tuple, kwargs: dict) -> list[Blocker]:
     root_file = _source_file(fn)
     blockers: list[Blocker] = []
     with _dynamo.quiet():

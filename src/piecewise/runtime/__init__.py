@@ -17,8 +17,8 @@ from .model import PiecewiseModel, compile
 __all__ = ["PiecewiseModel", "auto_trial", "breakable_trial", "compile", "trial_capture"]
 
 
-DOCTOR_MAX_TOKENS = 64
-"""The top of the ladder the doctor's trial first calls use (as ``piecewise run`` and ``verify`` default to), or the
+DOCTOR_MAX_TOKENS = 16
+"""The top of the ladder the doctor's trial first calls use (1, 2, 4, 8 and 16 tokens), or the
 inputs' token count where that is larger."""
 
 
@@ -34,7 +34,9 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: s
     """
     binder = Arguments(model, None)
     tokens = binder.token_count(binder.bind(tuple(args), dict(kwargs)))
-    config = CaptureConfig(max_tokens=max(DOCTOR_MAX_TOKENS, tokens), frontend=frontend, strict=frontend == "dynamo")
+    breaks = frontend == "dynamo-breaks"  # Dynamo with graph breaks: auto's last candidate
+    config = CaptureConfig(max_tokens=max(DOCTOR_MAX_TOKENS, tokens), frontend="dynamo" if breaks else frontend,
+                           strict=frontend == "dynamo")
     runner = PiecewiseModel(model, config, None)
     try:
         with warnings.catch_warnings():
@@ -63,9 +65,22 @@ def breakable_trial(model: torch.nn.Module, args: tuple, kwargs: dict) -> list:
     return trial_capture(model, args, kwargs, frontend="breakable")
 
 
-def auto_trial(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[str | None, str, list]:
+def auto_trial(model: torch.nn.Module, args: tuple, kwargs: dict, dynamo_blocked: bool = False,
+               breakable: list | None = None) -> tuple[str | None, str, list]:
     """What ``piecewise.compile(model)`` (``frontend="auto"``) does on these inputs: (the front-end it takes, why,
-    []) or (None, "", what it refuses)."""
-    taken: list = []
-    blockers = trial_capture(model, args, kwargs, frontend="auto", taken=taken)
-    return (taken[0], taken[1], []) if taken else (None, "", blockers)
+    []) or (None, "", what it refuses). ``dynamo_blocked``: Dynamo's strict trial already failed, so the search
+    starts at breakable (the same order ``auto`` follows), whose blockers go to ``breakable`` when given."""
+    if not dynamo_blocked:
+        taken: list = []
+        blockers = trial_capture(model, args, kwargs, frontend="auto", taken=taken)
+        return (taken[0], taken[1], []) if taken else (None, "", blockers)
+    refused = trial_capture(model, args, kwargs, frontend="breakable")
+    if breakable is not None:
+        breakable.extend(refused)
+    if not refused:
+        return "breakable", "Dynamo blocked", []
+    if refused[0].kind in ("token_mixing", "state_update", "token_argument_write", "token_layout", "token_branch"):
+        return None, "", refused  # what auto does not move on from
+    broken = trial_capture(model, args, kwargs, frontend="dynamo-breaks")
+    return ("dynamo", "Dynamo blocked; breakable failed; Dynamo with graph breaks", []) if not broken \
+        else (None, "", refused)
