@@ -1,0 +1,190 @@
+"""MLA attention over a latent KV cache (``piecewise.kernels.mla``) at GLM-5 shapes: 64 heads, R=512, P=64, bf16.
+
+    PYTHONPATH=src python benchmarks/mla_attention.py --out DIR [--sweep] [--batch 1,8,32,128] [--context 2048,8192]
+
+Decode of B sequences (one token each, at the cache's last position), sparse over 2048 random distinct picks
+and dense over the whole context; a prefill of 2048 tokens of one sequence over 2048 picks each (token t picks
+its t + 1 rows, the rest -1). Times are per call, the median of CUDA graph replays of one call per copy of the
+cache, with enough copies that L2 never holds them. Bytes: the visible picked rows × (R + P) × 2 + q + out,
+over the H200's 4.8 TB/s and over the copy bandwidth measured first. ``--sweep`` first times the candidate
+block sizes (``CANDIDATES``) and splits at B ∈ {8, 32, 128}, context 2048, sparse. ``--out DIR`` writes
+mla_attention.json and mla_attention.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import multiprocessing
+import sys
+from pathlib import Path
+
+import torch
+
+from piecewise.kernels.mla import BLOCKS, LatentBlocks, latent_attention, latent_attention_reference, latent_splits
+
+HEADS, LATENT, ROPE, PICKS = 64, 512, 64, 2048
+SCALE = (192 + ROPE) ** -0.5
+HBM_BYTES_PER_S = 4.8e12
+CANDIDATES = [LatentBlocks(64, 32, 8, 2, True), LatentBlocks(64, 32, 16, 2, True), LatentBlocks(64, 16, 8, 3, True),
+              LatentBlocks(64, 16, 8, 2, False), LatentBlocks(64, 32, 8, 2, False), LatentBlocks(32, 32, 8, 3, False),
+              LatentBlocks(16, 16, 4, 3, False)]
+"""Block sizes the sweep times (rows_first: the queries in shared memory; else all dots on wgmma at 64 heads)."""
+SWEEP_SPLITS = {8: (4, 8, 16), 32: (1, 2, 4, 8), 128: (1, 2)}
+
+
+def make_case(batch: int, context: int, sparse: bool, prefill: bool = False, seed: int = 0) -> dict:
+    """Inputs of one call; ``rows`` counts the visible picks (the rows the call must read)."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    sequences = 1 if prefill else batch
+    tokens = context if prefill else batch
+    cache = torch.randn(sequences, context, LATENT + ROPE, device="cuda", generator=generator).to(torch.bfloat16)
+    positions = torch.arange(tokens, device="cuda") if prefill else torch.full((tokens,), context - 1, device="cuda")
+    slots = torch.zeros(tokens, dtype=torch.long, device="cuda") if prefill else torch.arange(tokens, device="cuda")
+    q_latent = torch.randn(tokens, HEADS, LATENT, device="cuda", generator=generator).to(torch.bfloat16)
+    q_rope = torch.randn(tokens, HEADS, ROPE, device="cuda", generator=generator).to(torch.bfloat16)
+    indices = None
+    if sparse:
+        keys = torch.rand(tokens, context, device="cuda", generator=generator)
+        keys = keys.masked_fill(torch.arange(context, device="cuda")[None, :] > positions[:, None], -1.0)
+        top = keys.topk(min(PICKS, context), dim=1)
+        indices = torch.where(top.values >= 0, top.indices, -1)  # distinct random picks ≤ position, then -1
+    rows = int((indices >= 0).sum()) if sparse else int((positions + 1).sum())
+    return dict(q_latent=q_latent, q_rope=q_rope, cache=cache, slots=slots, positions=positions, indices=indices,
+                rows=rows, tokens=tokens)
+
+
+def bytes_read(case: dict) -> int:
+    return case["rows"] * (LATENT + ROPE) * 2 + case["tokens"] * HEADS * (LATENT + ROPE + LATENT) * 2
+
+
+def flops(case: dict) -> int:
+    return case["rows"] * HEADS * 2 * (LATENT + ROPE + LATENT)
+
+
+def time_us(case: dict, do_bench, graph_ms, l2_bytes: int, blocks=None, splits=None) -> float:
+    from nvfp4 import copies_for
+
+    copies = copies_for(case["cache"].numel() * 2, l2_bytes, 2)
+    caches = [case["cache"]] + [case["cache"].clone() for _ in range(copies - 1)]
+    calls = [lambda cache=cache: latent_attention(case["q_latent"], case["q_rope"], cache, case["slots"],
+                                                  case["positions"], SCALE, case["indices"], splits, blocks=blocks)
+             for cache in caches]
+    us = graph_ms(calls, do_bench) * 1e3
+    del caches, calls
+    return us
+
+
+def rel_error(case: dict, blocks=None, splits=None) -> float:
+    out = latent_attention(case["q_latent"], case["q_rope"], case["cache"], case["slots"], case["positions"], SCALE,
+                           case["indices"], splits, blocks=blocks).float()
+    expected = latent_attention_reference(case["q_latent"].float(), case["q_rope"].float(), case["cache"].float(),
+                                          case["slots"], case["positions"], SCALE, case["indices"])
+    return float((out - expected).norm() / expected.norm())
+
+
+def _warm(job: tuple) -> str:
+    """Compile one variant in a worker process (Triton's disk cache then serves the timing process)."""
+    blocks, batch, context, sparse, prefill, splits = job
+    case = make_case(batch if not prefill else 2048, context, sparse, prefill)
+    latent_attention(case["q_latent"], case["q_rope"], case["cache"], case["slots"], case["positions"], SCALE,
+                     case["indices"], splits, blocks=blocks)
+    torch.cuda.synchronize()
+    return str(job)
+
+
+def warm(jobs: list[tuple]) -> None:
+    with concurrent.futures.ProcessPoolExecutor(8, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in pool.map(_warm, jobs):
+            pass
+    print(f"compiled {len(jobs)} variants", flush=True)
+
+
+def sweep(do_bench, graph_ms, l2_bytes: int) -> list[dict]:
+    rows = []
+    for batch, split_options in SWEEP_SPLITS.items():
+        case = make_case(batch, 2048, True)
+        for blocks in CANDIDATES:
+            for splits in split_options:
+                us = time_us(case, do_bench, graph_ms, l2_bytes, blocks, splits)
+                rows.append(dict(batch=batch, blocks=dataclasses.asdict(blocks),
+                                 splits=splits, us=us, of_hbm=bytes_read(case) / (us * 1e-6) / HBM_BYTES_PER_S))
+                print("sweep", rows[-1], flush=True)
+        del case
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--batch", default="1,8,32,128")
+    parser.add_argument("--context", default="2048,8192")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    from triton.testing import do_bench
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from nvfp4 import graph_ms, measure_bandwidth
+
+    props = torch.cuda.get_device_properties(0)
+    l2_bytes = getattr(props, "L2_cache_size", 0) or 60 * 2**20
+    bandwidth = measure_bandwidth(do_bench)
+    batches = [int(b) for b in args.batch.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
+    jobs = [(None, b, c, s, False, None) for c in contexts for b in batches for s in (True, False)]
+    jobs += [(None, 2048, 2048, True, True, None)]
+    if args.sweep:
+        jobs += [(blocks, b, 2048, True, False, s) for blocks in CANDIDATES for b, options in SWEEP_SPLITS.items()
+                 for s in options]
+    warm(jobs)
+    sweep_rows = sweep(do_bench, graph_ms, l2_bytes) if args.sweep else []
+    rows = []
+    for name, batch, context, sparse, prefill in (
+            [("decode", b, c, s, False) for c in contexts for b in batches for s in (True, False)]
+            + [("prefill", 2048, 2048, True, True)]):
+        case = make_case(batch, context, sparse, prefill)
+        splits = latent_splits(case["tokens"], -(-HEADS // BLOCKS[torch.bfloat16].heads), PICKS if sparse else context,
+                               case["cache"].device)
+        us = time_us(case, do_bench, graph_ms, l2_bytes)
+        nbytes = bytes_read(case)
+        rows.append(dict(kind=name, batch=1 if prefill else batch, tokens=case["tokens"], context=context,
+                         mode="sparse" if sparse else "dense", splits=splits, us=us, bytes=nbytes,
+                         GBps=nbytes / (us * 1e-6) / 1e9, of_hbm=nbytes / (us * 1e-6) / HBM_BYTES_PER_S,
+                         of_copy=nbytes / (us * 1e-6) / bandwidth, TFLOPs=flops(case) / (us * 1e-6) / 1e12,
+                         rel_error=rel_error(case)))
+        print(rows[-1], flush=True)
+        del case
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "device": torch.cuda.get_device_name(),
+            "copy_bandwidth_GBps": round(bandwidth / 1e9), "blocks_bf16": dataclasses.asdict(BLOCKS[torch.bfloat16]),
+            "command": "PYTHONPATH=src python benchmarks/mla_attention.py " + " ".join(sys.argv[1:])}
+    lines = ["# MLA attention over a latent cache (GLM-5: 64 heads, R=512, P=64, bf16)", "",
+             *(f"- {k}: {v}" for k, v in meta.items()), "",
+             ("µs per call (CUDA graph replay, median); bytes = visible picked rows × 1152 + q + out; "
+              "% of 4.8 TB/s and of the measured copy bandwidth"), "",
+             ("| kind | B | tokens | context | mode | splits | µs | MB read | GB/s | of 4.8 TB/s | of copy | TFLOP/s "
+              "| rel. error |"), "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['kind']} | {r['batch']} | {r['tokens']} | {r['context']} | {r['mode']} | {r['splits']} | "
+              f"{r['us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['GBps']:.0f} | {r['of_hbm']:.0%} | {r['of_copy']:.0%} | "
+              f"{r['TFLOPs']:.0f} | {r['rel_error']:.1e} |" for r in rows]
+    if sweep_rows:
+        lines += ["", "Sweep (context 2048, sparse): µs per call and share of 4.8 TB/s", "",
+                  "| B | heads | rows | warps | stages | rows_first | splits | µs | of 4.8 TB/s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['blocks']['heads']} | {r['blocks']['rows']} | {r['blocks']['warps']} | "
+                  f"{r['blocks']['stages']} | {r['blocks']['rows_first']} | {r['splits']} | {r['us']:.1f} | "
+                  f"{r['of_hbm']:.0%} |" for r in sweep_rows]
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "mla_attention.json").write_text(json.dumps({"meta": meta, "rows": rows, "sweep": sweep_rows},
+                                                                 indent=2))
+        (args.out / "mla_attention.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
