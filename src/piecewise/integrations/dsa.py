@@ -167,20 +167,23 @@ def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention
 def enable_indexed(model: nn.Module, shared: dict) -> None:
     """Route every DSA indexer of ``model`` through ``dsa_select`` (the attention goes through ``dsa_attention``,
     see ``integrations.transformers.attention_forward``)."""
-    for module in model.modules():
-        if type(module).__name__.endswith("Indexer") and hasattr(module, "weights_proj"):
-            module.forward = types.MethodType(indexer_forward, module)
-            module._piecewise_call = shared
-            module._piecewise_config = model.config
+    for module in indexers(model):
+        module.forward = types.MethodType(indexer_forward, module)
+        module._piecewise_call = shared
+        module._piecewise_config = model.config
+
+
+def indexers(model: nn.Module) -> list[nn.Module]:
+    """The model's DSA indexers (``weights_proj`` beside the query and key projections)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Indexer") and hasattr(m, "weights_proj")]
 
 
 def make_index_caches(model: nn.Module, max_seq_len: int, sequences: int | None, device, dtype) -> None:
     """The indexer key caches beside the KV cache: one buffer per indexer, [(sequences,) max_seq_len, D]."""
-    for module in model.modules():
-        if type(module).__name__.endswith("Indexer") and hasattr(module, "weights_proj"):
-            shape = (max_seq_len, module.head_dim) if sequences is None else (sequences, max_seq_len, module.head_dim)
-            module.register_buffer("piecewise_index_cache", torch.zeros(shape, device=device, dtype=dtype),
-                                   persistent=False)
+    for module in indexers(model):
+        shape = (max_seq_len, module.head_dim) if sequences is None else (sequences, max_seq_len, module.head_dim)
+        module.register_buffer("piecewise_index_cache", torch.zeros(shape, device=device, dtype=dtype),
+                               persistent=False)
 
 
 def dummy_mask(kwargs: dict) -> torch.Tensor:

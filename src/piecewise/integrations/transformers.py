@@ -44,7 +44,7 @@ from ..models.attention import within_kernel
 from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
 from ..parallel import reduce_partial
-from . import dsa
+from . import dsa, mla
 
 NAME = dsa.ATTENTION
 
@@ -243,6 +243,7 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     _share_call_arguments(model)
     if dsa.is_indexed(model.config):
         dsa.enable_indexed(model, model._piecewise_call)
+    mla.enable_latent(model)
     if experts is None:
         stacked = [m.gate_up_proj for m in model.modules() if _is_experts(m)]
         experts = getattr(model.config, "_experts_implementation", None) != "grouped_mm" or any(
@@ -304,7 +305,8 @@ def quantize(model: nn.Module, *, grouped_experts: bool = True) -> list[str]:
     pieces; False: the per-expert loop as a splitting op). The experts switch to piecewise's experts op, the
     only one that runs NVFP4 experts. Returns the qualified names converted."""
     _use_piecewise_experts(model)
-    converted = quantize_linears(model)
+    # kv_b_proj of a latent-cache model is read as a weight (absorbed into the query and the output): kept
+    converted = quantize_linears(model, skip=("lm_head", "kv_b_proj") if mla.uses_latent_cache(model) else ("lm_head",))
     for name, module in model.named_modules():
         if _is_experts(module):
             stacked = SimpleNamespace(gate_up=module.gate_up_proj, down=module.down_proj)
@@ -356,7 +358,8 @@ class TokenModel(nn.Module):
     Without ``slots`` the tokens are one sequence (cache [layers, 2, max_seq, kv heads, head_dim], or none).
     With ``slots`` [T] each token belongs to sequence ``slots[t]`` of a multi-sequence cache
     [layers, 2, sequences, max_seq, kv heads, head_dim]: prefill several prompts and decode many sequences in
-    one call (a flattened batch, as serving engines run it)."""
+    one call (a flattened batch, as serving engines run it). MLA models (``integrations.mla``) cache one latent
+    row per token and layer instead: [layers, (sequences,) max_seq, kv_lora_rank + qk_rope_head_dim]."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -365,8 +368,10 @@ class TokenModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None) -> torch.Tensor:
         extra = {} if kv_cache is None else {"piecewise_kv_cache": kv_cache, "piecewise_positions": position_ids}
+        if kv_cache is not None:
+            self._check_cache(kv_cache, slots)
         if slots is not None:
-            if kv_cache is None or kv_cache.dim() != 6:
+            if kv_cache is None:
                 raise ValueError("slots need a multi-sequence kv_cache: make_kv_cache(max_seq_len, sequences=N)")
             extra["piecewise_slots"] = slots
         call = getattr(self.model, "_piecewise_call", None)  # set by enable(): read by every attention module
@@ -383,18 +388,55 @@ class TokenModel(nn.Module):
             call.clear()
         return out.logits[0]
 
+    def _check_cache(self, kv_cache: torch.Tensor, slots: torch.Tensor | None) -> None:
+        """Refuse a cache of another layout than ``make_kv_cache`` makes (a latent cache given to a per-head
+        model or the reverse; one sequence's cache with ``slots``, or the reverse)."""
+        latent = mla.uses_latent_cache(self.model)
+        want = (3 if latent else 5) + (slots is not None)
+        if kv_cache.dim() != want or (latent and kv_cache.shape[-1] != mla.latent_width(self.model.config)):
+            kind = "a latent cache [layers, (sequences,) max_seq, kv_lora_rank + qk_rope_head_dim]" if latent else \
+                "a cache [layers, 2, (sequences,) max_seq, kv heads, head_dim]"
+            if slots is not None:
+                raise ValueError(f"slots need a multi-sequence kv_cache ({kind}, with the sequences dimension), got "
+                                 f"{tuple(kv_cache.shape)}: make it with make_kv_cache(max_seq_len, sequences=N)")
+            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not what this model takes: {kind}, without the "
+                             f"sequences dimension. Make it with TokenModel(model).make_kv_cache(max_seq_len)")
+
+    def kv_bytes_per_token(self, dtype=None) -> int:
+        """Bytes of cache one token takes over all layers (``make_kv_cache``'s, indexer key caches included)."""
+        c = self.model.config
+        itemsize = (dtype or next(self.model.parameters()).dtype).itemsize
+        if mla.uses_latent_cache(self.model):
+            per_layer = mla.latent_width(c)
+        else:
+            per_layer = 2 * self._kv_heads() * self._head_dim()
+        index = sum(m.head_dim for m in dsa.indexers(self.model)) if dsa.is_indexed(c) else 0
+        return (c.num_hidden_layers * per_layer + index) * itemsize
+
+    def _head_dim(self) -> int:
+        c = self.model.config
+        if getattr(c, "kv_lora_rank", None):  # MLA: per-head keys (nope + rope) and values, one width for both
+            return max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    def _kv_heads(self) -> int:
+        c = self.model.config
+        heads = c.num_attention_heads if getattr(c, "kv_lora_rank", None) else (
+            getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+        return heads // getattr(self.model, "piecewise_world_size", 1)  # this rank's
+
     def make_kv_cache(self, max_seq_len: int, sequences: int | None = None, device=None, dtype=None) -> torch.Tensor:
         """A zeroed cache for ``forward``'s ``kv_cache``: [layers, 2, max_seq_len, kv heads, head_dim] for one
-        sequence, or [layers, 2, sequences, max_seq_len, kv heads, head_dim] for ``slots``."""
+        sequence, or [layers, 2, sequences, max_seq_len, kv heads, head_dim] for ``slots``; for MLA models
+        [layers, (sequences,) max_seq_len, kv_lora_rank + qk_rope_head_dim]. ``kv_bytes_per_token`` says what
+        a token costs in it."""
         c = self.model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        if getattr(c, "kv_lora_rank", None):  # MLA: per-head keys (nope + rope) and values, one width for both
-            head_dim = max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
-            kv_heads = c.num_attention_heads
-        kv_heads //= getattr(self.model, "piecewise_world_size", 1)  # this rank's
         weight = next(self.model.parameters())
-        shape = (max_seq_len, kv_heads, head_dim) if sequences is None else (sequences, max_seq_len, kv_heads, head_dim)
+        device, dtype = device or weight.device, dtype or weight.dtype
         if dsa.is_indexed(c):  # the indexer's key caches, beside this one: buffers of the indexers
-            dsa.make_index_caches(self.model, max_seq_len, sequences, device or weight.device, dtype or weight.dtype)
-        return torch.zeros(c.num_hidden_layers, 2, *shape, device=device or weight.device, dtype=dtype or weight.dtype)
+            dsa.make_index_caches(self.model, max_seq_len, sequences, device, dtype)
+        if mla.uses_latent_cache(self.model):
+            return mla.make_latent_cache(self.model, max_seq_len, sequences, device, dtype)
+        kv_heads, head_dim = self._kv_heads(), self._head_dim()
+        shape = (max_seq_len, kv_heads, head_dim) if sequences is None else (sequences, max_seq_len, kv_heads, head_dim)
+        return torch.zeros(c.num_hidden_layers, 2, *shape, device=device, dtype=dtype)

@@ -1,0 +1,160 @@
+"""Multi-head latent attention (MLA: DeepSeek-V3, DeepSeek-V3.2, GLM-5, ...) over a latent KV cache, for
+``integrations.transformers``.
+
+MLA compresses each token's keys and values into one row: the normalised ``kv_lora_rank`` latent ``c`` and the
+rotated ``qk_rope_head_dim`` key ``k_pe``, shared by every head; ``kv_b_proj`` expands ``c`` into each head's
+keys (``W_UK``) and values (``W_UV``). The cache holds that row only: ``kv_lora_rank + qk_rope_head_dim``
+values per token and layer (576 for DeepSeek-V3 and GLM-5, against 2 · heads · head width per head). Attention
+runs in the latent space by weight absorption: the query's no-rope part is multiplied by ``W_UK`` (scores
+``q·W_UK·c + q_pe·k_pe``), the attention's output (a mix of latent rows) by ``W_UV``. Both products run in the
+model's pieces; between them, ``mla_attention`` (a capturable splitting op) writes the call's rows into the cache
+and attends over it (``kernels.mla``): over every earlier position, or, for DeepSeek sparse attention
+(``integrations.dsa``), over the top-k keys the indexer picked for each query.
+
+The attention module's ``forward`` is replaced by ``latent_forward`` for the classes in ``LATENT_CLASSES``,
+whose forward it reproduces (tested against transformers' for each); it takes the latent path when
+``TokenModel`` passes a latent cache, and runs the class's own forward otherwise (no cache, or the model called
+the transformers way).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+
+import torch
+from torch import nn
+
+from ..context import redirect_padding
+from ..opaque import opaque_op
+from .dsa import ATTENTION
+
+LATENT_CLASSES = frozenset({"DeepseekV3Attention", "DeepseekV32Attention", "GlmMoeDsaAttention",
+                            "Glm4MoeLiteAttention", "Mistral4Attention", "YoutuAttention",
+                            "MiniCPM3Attention"})
+"""Attention classes whose forward ``latent_forward`` reproduces: q through ``q_a_proj`` / ``q_a_layernorm`` /
+``q_b_proj`` (or ``q_proj``), the latent through ``kv_a_proj_with_mqa`` / ``kv_a_layernorm``, keys and values
+through ``kv_b_proj``, rotary by the module's ``apply_rotary_pos_emb(_interleave)``, ``o_proj``, ``scaling``."""
+
+
+def is_mla(config) -> bool:
+    return bool(getattr(config, "kv_lora_rank", None))
+
+
+def latent_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's MLA attention modules that run over a latent cache."""
+    return [m for m in model.modules() if type(m).__name__ in LATENT_CLASSES and hasattr(m, "kv_b_proj")]
+
+
+def uses_latent_cache(model: nn.Module) -> bool:
+    """True where ``enable`` gave every MLA attention module of ``model`` the latent path."""
+    return bool(getattr(model, "_piecewise_latent", False))
+
+
+def latent_width(config) -> int:
+    return config.kv_lora_rank + config.qk_rope_head_dim
+
+
+def _fake(q_latent, q_rope, latent, k_rope, positions, slots, cache, layer, scale, indices):
+    return q_latent.new_empty(q_latent.shape)
+
+
+@opaque_op("piecewise_hf::mla_attention", fake=_fake, mutates_args=("cache",), split=True, capturable=True)
+def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                  positions: torch.Tensor, slots: torch.Tensor | None, cache: torch.Tensor, layer: int, scale: float,
+                  indices: torch.Tensor | None) -> torch.Tensor:
+    """q_latent [T, H, R] (the query's no-rope part times ``W_UK``), q_rope [T, H, P], the call's latent rows
+    [T, R] and rotated keys [T, P] → [T, H, R]: the rows are written into ``cache[layer]`` at ``positions`` (of
+    sequence ``slots[t]``; cache [layers, (sequences,) max_seq, R + P]), then each query attends over its
+    sequence's rows at or before its position, all of them (``indices`` None) or its picks [T, K].
+    Capturable: in a full-graph call the pad rows write and read what the first row does."""
+    from ..kernels.mla import attend_latent
+
+    layer_cache = cache[layer] if slots is not None else cache[layer].unsqueeze(0)  # [sequences, max_seq, R + P]
+    rows = slots if slots is not None else torch.zeros_like(positions)
+    rows, positions, latent, k_rope, q_latent, q_rope = redirect_padding(rows, positions, latent, k_rope, q_latent,
+                                                                         q_rope)
+    layer_cache[rows, positions] = torch.cat([latent, k_rope], dim=-1).to(layer_cache.dtype)
+    if indices is not None:
+        indices = redirect_padding(indices)[0]
+    return attend_latent(q_latent, q_rope, layer_cache, rows, positions, scale, indices)
+
+
+def _rotary(module: nn.Module):
+    """The rotary function the class's forward applies to (q_rot, k_rot): interleaved or not, as it decides."""
+    modeling = sys.modules[type(module).__module__]
+    source = inspect.getsource(type(module).forward)
+    interleaved = getattr(modeling, "apply_rotary_pos_emb_interleave", None)
+    if "rope_interleave" in source:
+        return interleaved if module.config.rope_interleave else modeling.apply_rotary_pos_emb
+    if "apply_rotary_pos_emb_interleave" in source:
+        return interleaved
+    return modeling.apply_rotary_pos_emb
+
+
+def absorbed_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_b_proj``'s weight as W_UK [H, nope, R] and W_UV [H, v, R] (views: a weight changed in place is seen)."""
+    weight = module.kv_b_proj.weight
+    heads = weight.shape[0] // (module.qk_nope_head_dim + module.v_head_dim)
+    w = weight.view(heads, module.qk_nope_head_dim + module.v_head_dim, -1)
+    return w[:, :module.qk_nope_head_dim], w[:, module.qk_nope_head_dim:]
+
+
+def latent_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+    """The module's attention over the latent cache that ``TokenModel`` passes (see the module docstring); the
+    class's own forward without one, or with the model's own attention put back."""
+    call = self._piecewise_call
+    cache = call.get("piecewise_kv_cache")
+    if cache is None or self.config._attn_implementation != ATTENTION:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    batch, tokens, _ = hidden_states.shape
+    nope, rope = self.qk_nope_head_dim, self.qk_rope_head_dim
+    if getattr(self, "q_a_proj", None) is not None:
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        q = self.q_b_proj(q_resid)
+    else:
+        q_resid, q = None, self.q_proj(hidden_states)
+    q = q.view(batch, tokens, -1, nope + rope).transpose(1, 2)  # [1, H, T, nope + rope]
+    q_nope, q_rot = torch.split(q, [nope, rope], dim=-1)
+    latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, rope], dim=-1)
+    latent = self.kv_a_layernorm(latent)
+    cos, sin = position_embeddings
+    q_rot, k_rot = self._piecewise_rotary(q_rot, k_rot.view(batch, 1, tokens, rope), cos, sin)
+    w_uk, w_uv = absorbed_weights(self)
+    q_latent = torch.bmm(q_nope[0], w_uk.to(q_nope.dtype))  # [H, T, R]
+    topk = None
+    indexer = getattr(self, "indexer", None)
+    if indexer is not None:
+        topk = indexer(hidden_states, q_resid, position_embeddings, None, kwargs.get("position_ids"))
+    elif "prev_topk_indices" in kwargs:  # a layer sharing the previous indexer's picks (GLM-5 after 5.20)
+        topk = kwargs["prev_topk_indices"]
+    out = mla_attention(q_latent.transpose(0, 1), q_rot[0].transpose(0, 1), latent[0], k_rot[0, 0],
+                        call["piecewise_positions"], call.get("piecewise_slots"), cache, self.layer_idx,
+                        self.scaling, None if topk is None else topk[0])  # [T, H, R]
+    out = torch.bmm(out.transpose(0, 1), w_uv.to(out.dtype).transpose(1, 2))  # [H, T, v]
+    out = self.o_proj(out.transpose(0, 1).reshape(batch, tokens, -1))
+    return (out, None, topk) if self._piecewise_returns_topk else (out, None)
+
+
+def enable_latent(model: nn.Module) -> bool:
+    """Give every MLA attention module of ``model`` the latent path, where all of them are of a class in
+    ``LATENT_CLASSES`` (otherwise none: the per-head cache serves the model). Returns whether it did."""
+    if not is_mla(model.config):
+        return False
+    attention = [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "kv_a_proj_with_mqa")]
+    if not attention or any(type(m).__name__ not in LATENT_CLASSES for m in attention):
+        return False
+    for module in attention:
+        module.forward = types.MethodType(latent_forward, module)
+        module._piecewise_rotary = _rotary(module)
+        module._piecewise_returns_topk = "prev_topk_indices" in inspect.signature(type(module).forward).parameters
+    model._piecewise_latent = True
+    return True
+
+
+def make_latent_cache(model: nn.Module, max_seq_len: int, sequences: int | None, device, dtype) -> torch.Tensor:
+    """[layers, (sequences,) max_seq_len, kv_lora_rank + qk_rope_head_dim], zeroed."""
+    c = model.config
+    shape = (max_seq_len, latent_width(c)) if sequences is None else (sequences, max_seq_len, latent_width(c))
+    return torch.zeros(c.num_hidden_layers, *shape, device=device, dtype=dtype)
