@@ -137,20 +137,21 @@ def latent_forward(self, hidden_states, position_embeddings=None, attention_mask
     return (out, None, topk) if self._piecewise_returns_topk else (out, None)
 
 
-def enable_latent(model: nn.Module) -> bool:
+def enable_latent(model: nn.Module, on: bool = True) -> bool:
     """Give every MLA attention module of ``model`` the latent path, where all of them are of a class in
-    ``LATENT_CLASSES`` (otherwise none: the per-head cache serves the model). Returns whether it did."""
-    if not is_mla(model.config):
-        return False
+    ``LATENT_CLASSES`` (otherwise none: the per-head cache serves the model); ``on=False`` takes it away again.
+    Returns whether the model now uses the latent cache."""
     attention = [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "kv_a_proj_with_mqa")]
-    if not attention or any(type(m).__name__ not in LATENT_CLASSES for m in attention):
-        return False
+    supported = is_mla(model.config) and attention and all(type(m).__name__ in LATENT_CLASSES for m in attention)
     for module in attention:
-        module.forward = types.MethodType(latent_forward, module)
-        module._piecewise_rotary = _rotary(module)
-        module._piecewise_returns_topk = "prev_topk_indices" in inspect.signature(type(module).forward).parameters
-    model._piecewise_latent = True
-    return True
+        if on and supported:
+            module.forward = types.MethodType(latent_forward, module)
+            module._piecewise_rotary = _rotary(module)
+            module._piecewise_returns_topk = "prev_topk_indices" in inspect.signature(type(module).forward).parameters
+        else:
+            module.__dict__.pop("forward", None)  # the class's own
+    model._piecewise_latent = bool(on and supported)
+    return model._piecewise_latent
 
 
 def make_latent_cache(model: nn.Module, max_seq_len: int, sequences: int | None, device, dtype) -> torch.Tensor:

@@ -223,7 +223,7 @@ def _check_config(config) -> None:
         )
 
 
-def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
+def enable(model: nn.Module, *, experts: bool | None = None, latent_cache: bool = True) -> nn.Module:
     """Route ``model``'s attention (and its stacked MoE experts, see ``experts``) through piecewise's ops.
 
     ``experts=True``: piecewise's experts op (bf16: the per-expert loop as a splitting op; NVFP4 after
@@ -231,7 +231,12 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     inside the pieces. ``None`` (default): transformers' ``grouped_mm`` implementation is kept (static shapes,
     device-side offsets: traced and captured with the rest) where its weights are bf16 or on the CPU; any other
     is replaced by piecewise's op (its eager loop branches on which experts got tokens, and under tracing
-    transformers runs CUDA experts of other dtypes through a fallback that copies the offsets to the host)."""
+    transformers runs CUDA experts of other dtypes through a fallback that copies the offsets to the host).
+
+    ``latent_cache`` (default): MLA models (DeepSeek-V3 / V3.2, GLM-5, ...; ``integrations.mla.LATENT_CLASSES``)
+    cache one latent row per token and layer and attend by weight absorption; False keeps per-head keys and
+    values in the cache (2 · heads · head width values per token and layer: 57 times GLM-5's latent row), as
+    transformers 5.17 does, for comparison."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -243,7 +248,7 @@ def enable(model: nn.Module, *, experts: bool | None = None) -> nn.Module:
     _share_call_arguments(model)
     if dsa.is_indexed(model.config):
         dsa.enable_indexed(model, model._piecewise_call)
-    mla.enable_latent(model)
+    mla.enable_latent(model, latent_cache)
     if experts is None:
         stacked = [m.gate_up_proj for m in model.modules() if _is_experts(m)]
         experts = getattr(model.config, "_experts_implementation", None) != "grouped_mm" or any(

@@ -1,0 +1,149 @@
+"""MLA models over the latent cache (``integrations.mla``), on CPU: every transformers MLA architecture piecewise
+gives the latent path equals transformers' forward — a prefill, decode steps, and sequences through slots in one
+call — with a cache of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer; an architecture outside
+``LATENT_CLASSES`` keeps the per-head cache and is right too; a change of ``kv_b_proj``'s weights after the first
+call is seen. (GLM-5 and DeepSeek-V3.2, whose DSA indexer picks the keys, are in test_dsa.py; DeepSeek-V3 also in
+test_transformers_zoo.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piecewise
+
+transformers = pytest.importorskip("transformers")
+from piecewise.integrations import mla  # noqa: E402
+from piecewise.integrations.transformers import TokenModel, enable  # noqa: E402
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+             first_k_dense_replace=1, n_shared_experts=1, max_position_embeddings=256)
+LATENT = ["DeepseekV3", "Glm4MoeLite", "Mistral4", "Youtu", "MiniCPM3"]
+PER_HEAD = ["DeepseekV2"]  # rotary through complex numbers (freqs_cis): not a class latent_forward reproduces
+
+
+def build(name: str, seed: int = 0, **changes):
+    config_class = getattr(transformers, f"{name}Config", None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    known = config_class().to_dict()
+    values = {k: v for k, v in {**SMALL, **changes}.items() if k in known}
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForCausalLM")(config_class(**values)).eval()
+    for module in model.modules():  # stacked experts are left uninitialised outside from_pretrained
+        for attr in ("gate_up_proj", "down_proj"):
+            weight = getattr(module, attr, None)
+            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 3:
+                torch.nn.init.normal_(weight, std=0.05)
+    return model
+
+
+def run_steps(runner, sequences: list[torch.Tensor], cache: torch.Tensor, prompt: int) -> list[torch.Tensor]:
+    """Each sequence's first ``prompt`` tokens prefilled into its slot (all in one call), then every sequence
+    decoding one token per call together: each sequence's logits, in order."""
+    slots = torch.cat([torch.full((prompt,), s) for s in range(len(sequences))])
+    first = runner(torch.cat([s[:prompt] for s in sequences]), torch.arange(prompt).repeat(len(sequences)), cache,
+                   slots)
+    got = [[first[s * prompt : (s + 1) * prompt]] for s in range(len(sequences))]
+    for position in range(prompt, len(sequences[0])):
+        out = runner(torch.stack([s[position] for s in sequences]), torch.full((len(sequences),), position), cache,
+                     torch.arange(len(sequences)))
+        for s in range(len(sequences)):
+            got[s].append(out[s : s + 1])
+    return [torch.cat(g) for g in got]
+
+
+@pytest.mark.parametrize("name", LATENT + PER_HEAD)
+def test_mla_architectures_equal_transformers_through_slots_with_the_cache_they_need(name):
+    model = build(name)
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 256, (9,), generator=generator) for _ in range(3)]
+    with torch.no_grad():
+        expected = [model(input_ids=s[None], use_cache=False).logits[0] for s in sequences]
+    token_model = TokenModel(enable(model))
+    c = model.config
+    assert mla.uses_latent_cache(model) == (name in LATENT)
+    cache = token_model.make_kv_cache(max_seq_len=16, sequences=3)
+    if name in LATENT:  # one row of latent and rotated key per token and layer
+        assert cache.shape == (c.num_hidden_layers, 3, 16, c.kv_lora_rank + c.qk_rope_head_dim)
+        assert token_model.kv_bytes_per_token() == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    else:
+        assert cache.shape[:3] == (c.num_hidden_layers, 2, 3)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))
+    with torch.no_grad():
+        got = run_steps(runner, sequences, cache, prompt=5)
+    for logits, want in zip(got, expected):
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    if name in LATENT:
+        assert runner.stats["frontend"] == "dynamo" and runner.stats["graph_breaks"] == 0
+        assert runner.stats["splitting_op_calls"] == c.num_hidden_layers  # one mla_attention per layer
+        with torch.no_grad():  # without a cache: transformers' own MLA forward with piecewise's attention
+            whole = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16))(sequences[0],
+                                                                                           torch.arange(9))
+        torch.testing.assert_close(whole, expected[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_the_latent_cache_holds_the_normalised_latent_and_rotated_key_of_each_real_token(frontend):
+    """The cache rows a prefill and a decode step write are transformers' own ``kv_a_layernorm(c)`` and rotated
+    ``k_pe`` (read from transformers' DynamicCache, which holds exactly these in 5.18 and later, or computed from
+    the module), at the tokens' positions; nothing else changes."""
+    model = build("DeepseekV3", seed=3)
+    ids = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(4))
+    captured = {}
+
+    def latent_hook(module, args, out, layer):  # kv_a_layernorm's output: the normalised latent
+        captured.setdefault(layer, []).append(out.detach().reshape(-1, out.shape[-1]))
+
+    attention = [layer.self_attn for layer in model.model.layers]
+    hooks = [a.kv_a_layernorm.register_forward_hook(lambda m, a_, o, i=i: latent_hook(m, a_, o, i))
+             for i, a in enumerate(attention)]
+    with torch.no_grad():
+        model(input_ids=ids[None], use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=12).normal_()
+    before = cache.clone()
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad():
+        runner(ids[:6], torch.arange(6), cache)
+        runner(ids[6:], torch.tensor([6]), cache)
+    r = model.config.kv_lora_rank
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(cache[layer, :7, :r], captured[layer][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache[:, 7:], before[:, 7:]), "rows past the tokens changed"
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_kv_b_proj_weights_changed_after_the_first_call_are_used(frontend):
+    """W_UK and W_UV are views of ``kv_b_proj``'s weight read in the pieces: ``copy_`` and ``.data =`` after the
+    first call both reach the replays."""
+    model = build("Glm4MoeLite", seed=5)
+    token_model = TokenModel(enable(model))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    ids = torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(6))
+    cache = token_model.make_kv_cache(max_seq_len=8)
+    with torch.no_grad():
+        runner(ids, torch.arange(6), cache)
+        kv_b = model.model.layers[0].self_attn.kv_b_proj
+        kv_b.weight.mul_(1.5)
+        model.model.layers[1].self_attn.kv_b_proj.weight.data = torch.randn_like(kv_b.weight) * 0.1
+        got = runner(ids, torch.arange(6), cache)
+        expected = model(input_ids=ids[None], use_cache=False).logits[0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cache_of_the_other_layout_is_refused_with_the_fix():
+    model = build("DeepseekV3")
+    token_model = TokenModel(enable(model))
+    per_head = torch.zeros(2, 2, 16, 4, 24)
+    with pytest.raises(ValueError, match=r"kv_cache \(2, 2, 16, 4, 24\) is not what this model takes: a latent cache"):
+        token_model(torch.tensor([1, 2]), torch.arange(2), per_head)
+    with pytest.raises(ValueError, match=r"slots need a multi-sequence kv_cache .*make_kv_cache\(max_seq_len, sequences"):
+        token_model(torch.tensor([1, 2]), torch.arange(2), token_model.make_kv_cache(16), torch.tensor([0, 0]))
+    enable(model, latent_cache=False)  # the per-head cache, as before: the latent one is refused now
+    with pytest.raises(ValueError, match=r"kv_cache \(2, 16, 24\) is not what this model takes: a cache \[layers, 2"):
+        token_model(torch.tensor([1, 2]), torch.arange(2), torch.zeros(2, 16, 24))
