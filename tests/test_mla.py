@@ -43,13 +43,14 @@ def build(name: str, seed: int = 0, **changes):
 def run_steps(runner, sequences: list[torch.Tensor], cache: torch.Tensor, prompt: int) -> list[torch.Tensor]:
     """Each sequence's first ``prompt`` tokens prefilled into its slot (all in one call), then every sequence
     decoding one token per call together: each sequence's logits, in order."""
-    slots = torch.cat([torch.full((prompt,), s) for s in range(len(sequences))])
-    first = runner(torch.cat([s[:prompt] for s in sequences]), torch.arange(prompt).repeat(len(sequences)), cache,
-                   slots)
+    device = sequences[0].device
+    slots = torch.cat([torch.full((prompt,), s, device=device) for s in range(len(sequences))])
+    first = runner(torch.cat([s[:prompt] for s in sequences]), torch.arange(prompt, device=device).repeat(
+        len(sequences)), cache, slots)
     got = [[first[s * prompt : (s + 1) * prompt]] for s in range(len(sequences))]
     for position in range(prompt, len(sequences[0])):
-        out = runner(torch.stack([s[position] for s in sequences]), torch.full((len(sequences),), position), cache,
-                     torch.arange(len(sequences)))
+        out = runner(torch.stack([s[position] for s in sequences]), torch.full((len(sequences),), position,
+                     device=device), cache, torch.arange(len(sequences), device=device))
         for s in range(len(sequences)):
             got[s].append(out[s : s + 1])
     return [torch.cat(g) for g in got]
