@@ -148,3 +148,27 @@ def test_a_cache_of_the_other_layout_is_refused_with_the_fix():
     enable(model, latent_cache=False)  # the per-head cache, as before: the latent one is refused now
     with pytest.raises(ValueError, match=r"kv_cache \(2, 16, 24\) is not what this model takes: a cache \[layers, 2"):
         token_model(torch.tensor([1, 2]), torch.arange(2), torch.zeros(2, 16, 24))
+
+
+@pytest.mark.parametrize("name", ["DeepseekV3", "MiniCPM3"])
+def test_long_dense_calls_up_project_the_latent_rows_and_equal_transformers(name, monkeypatch):
+    """With ``UP_PROJECT_TOKENS`` at 3, prefills of three sequences in one call (from position 0: causal SDPA) and
+    an extend of four tokens after them (a mask by position) take the up-projected path; decode steps the latent
+    one. Every call equals transformers."""
+    monkeypatch.setattr(mla, "UP_PROJECT_TOKENS", 3)
+    taken = []
+    up_projected = mla.up_projected_attention
+    monkeypatch.setattr(mla, "up_projected_attention", lambda *a: taken.append(a[0].shape[0]) or up_projected(*a))
+    model = build(name, seed=7)
+    generator = torch.Generator().manual_seed(8)
+    sequences = [torch.randint(0, 256, (11,), generator=generator) for _ in range(3)]
+    with torch.no_grad():
+        expected = [model(input_ids=s[None], use_cache=False).logits[0] for s in sequences]
+        token_model = TokenModel(enable(model))
+        cache = token_model.make_kv_cache(max_seq_len=16, sequences=3)
+        got = run_steps(token_model, sequences, cache, prompt=5)  # 15-token prefill, then 3-token decode steps
+        extend = token_model(sequences[0][5:9], torch.arange(5, 9), cache, torch.zeros(4, dtype=torch.long))
+    for logits, want in zip(got, expected):
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(extend, expected[0][5:9], rtol=1e-4, atol=1e-4)
+    assert taken == [15] * model.config.num_hidden_layers + [4] * model.config.num_hidden_layers

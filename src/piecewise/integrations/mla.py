@@ -6,10 +6,10 @@ rotated ``qk_rope_head_dim`` key ``k_pe``, shared by every head; ``kv_b_proj`` e
 keys (``W_UK``) and values (``W_UV``). The cache holds that row only: ``kv_lora_rank + qk_rope_head_dim``
 values per token and layer (576 for DeepSeek-V3 and GLM-5, against 2 · heads · head width per head). Attention
 runs in the latent space by weight absorption: the query's no-rope part is multiplied by ``W_UK`` (scores
-``q·W_UK·c + q_pe·k_pe``), the attention's output (a mix of latent rows) by ``W_UV``. Both products run in the
-model's pieces; between them, ``mla_attention`` (a capturable splitting op) writes the call's rows into the cache
-and attends over it (``kernels.mla``): over every earlier position, or, for DeepSeek sparse attention
-(``integrations.dsa``), over the top-k keys the indexer picked for each query.
+``q·W_UK·c + q_pe·k_pe``), the attention's output (a mix of latent rows) by ``W_UV``. ``mla_attention`` (a
+capturable splitting op) writes the call's rows into the cache and attends over them (``kernels.mla``): over every
+earlier position, or, for DeepSeek sparse attention (``integrations.dsa``), over the top-k keys the indexer picked
+for each query. A long dense call (prefill) up-projects the rows instead (``UP_PROJECT_TOKENS``).
 
 The attention module's ``forward`` is replaced by ``latent_forward`` for the classes in ``LATENT_CLASSES``,
 whose forward it reproduces (tested against transformers' for each); it takes the latent path when
@@ -24,6 +24,7 @@ import sys
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..context import redirect_padding
@@ -56,29 +57,87 @@ def latent_width(config) -> int:
     return config.kv_lora_rank + config.qk_rope_head_dim
 
 
-def _fake(q_latent, q_rope, latent, k_rope, positions, slots, cache, layer, scale, indices):
-    return q_latent.new_empty(q_latent.shape)
+UP_PROJECT_TOKENS = 1024
+"""Dense MLA calls of more tokens than this (prefill, long extend) attend by up-projecting the gathered latent rows
+into per-head keys and values (one SDPA per sequence) instead of in the latent space: per query and head the
+absorbed scores cost kv_lora_rank + qk_rope_head_dim and the sum kv_lora_rank multiply-adds per key (1088 for
+DeepSeek-V3), against qk_nope + qk_rope + v_head_dim (320) once up-projected, which a long prefill's keys pay back
+(``benchmarks/mla_decode.py``, RESULTS.md). Sparse attention (DSA) always attends in the latent space: each query
+has its own picks, so no up-projection is shared."""
 
 
-@opaque_op("piecewise_hf::mla_attention", fake=_fake, mutates_args=("cache",), split=True, capturable=True)
-def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+def _fake(q_nope, q_rope, latent, k_rope, positions, slots, cache, layer, scale, indices, kv_b_weight):
+    heads = q_nope.shape[1]
+    return q_nope.new_empty(q_nope.shape[0], heads, kv_b_weight.shape[0] // heads - q_nope.shape[2])
+
+
+def _capturable(ctx) -> bool:
+    """Within a full graph: calls of up to ``UP_PROJECT_TOKENS`` (the latent kernel, no host sync)."""
+    return ctx.padded_tokens <= UP_PROJECT_TOKENS
+
+
+@opaque_op("piecewise_hf::mla_attention", fake=_fake, mutates_args=("cache",), split=True, capturable=_capturable)
+def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor | None, cache: torch.Tensor, layer: int, scale: float,
-                  indices: torch.Tensor | None) -> torch.Tensor:
-    """q_latent [T, H, R] (the query's no-rope part times ``W_UK``), q_rope [T, H, P], the call's latent rows
-    [T, R] and rotated keys [T, P] → [T, H, R]: the rows are written into ``cache[layer]`` at ``positions`` (of
-    sequence ``slots[t]``; cache [layers, (sequences,) max_seq, R + P]), then each query attends over its
-    sequence's rows at or before its position, all of them (``indices`` None) or its picks [T, K].
-    Capturable: in a full-graph call the pad rows write and read what the first row does."""
+                  indices: torch.Tensor | None, kv_b_weight: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, nope], q_rope [T, H, P] (rotated), the call's latent rows [T, R] and rotated keys [T, P],
+    ``kv_b_proj``'s weight [H · (nope + v), R] → [T, H, v]. The rows are written into ``cache[layer]`` at
+    ``positions`` (of sequence ``slots[t]``; cache [layers, (sequences,) max_seq, R + P]), then each query attends
+    over its sequence's rows at or before its position, all of them (``indices`` None) or its picks [T, K]: in
+    the latent space (q_nope · W_UK as the query, the output through W_UV), or, for a long dense call, over keys
+    and values up-projected from the rows (``UP_PROJECT_TOKENS``). Capturable up to ``UP_PROJECT_TOKENS``: in a
+    full-graph call the pad rows write and read what the first row does."""
     from ..kernels.mla import attend_latent
 
+    tokens, heads, nope = q_nope.shape
+    w = kv_b_weight.view(heads, -1, kv_b_weight.shape[1]).to(q_nope.dtype)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, R], [H, v, R]
     layer_cache = cache[layer] if slots is not None else cache[layer].unsqueeze(0)  # [sequences, max_seq, R + P]
     rows = slots if slots is not None else torch.zeros_like(positions)
-    rows, positions, latent, k_rope, q_latent, q_rope = redirect_padding(rows, positions, latent, k_rope, q_latent,
-                                                                         q_rope)
+    rows, positions, latent, k_rope, q_nope, q_rope = redirect_padding(rows, positions, latent, k_rope, q_nope, q_rope)
     layer_cache[rows, positions] = torch.cat([latent, k_rope], dim=-1).to(layer_cache.dtype)
+    if indices is None and tokens > UP_PROJECT_TOKENS:
+        return up_projected_attention(q_nope, q_rope, layer_cache, rows, positions, scale, w_uk, w_uv)
     if indices is not None:
         indices = redirect_padding(indices)[0]
-    return attend_latent(q_latent, q_rope, layer_cache, rows, positions, scale, indices)
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
+    out = attend_latent(q_latent, q_rope, layer_cache, rows, positions, scale, indices)
+    return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+
+
+QUERY_CHUNK = 4096
+"""Queries per SDPA call of ``up_projected_attention`` (bounds its mask and its workspace)."""
+
+
+def up_projected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cache: torch.Tensor, rows: torch.Tensor,
+                           positions: torch.Tensor, scale: float, w_uk: torch.Tensor,
+                           w_uv: torch.Tensor) -> torch.Tensor:
+    """Dense MLA by up-projection, one sequence of the call at a time: the sequence's rows 0 .. its last position
+    become per-head keys (``W_UK · c`` beside the shared rotated key) and values (``W_UV · c``), and SDPA attends
+    causally (by position) → [T, H, v]. Reads the positions on the host: eager calls only."""
+    tokens, heads, nope = q_nope.shape
+    latent = w_uk.shape[2]
+    out = q_nope.new_empty(tokens, heads, w_uv.shape[1])
+    for slot in torch.unique(rows).tolist():
+        index = (rows == slot).nonzero().squeeze(1)
+        at = positions[index]
+        length = int(at.max()) + 1
+        kept = layer_cache[slot, :length].to(q_nope.dtype)
+        keys = torch.cat([torch.einsum("sr,hnr->hsn", kept[:, :latent], w_uk),
+                          kept[None, :, latent:].expand(heads, -1, -1)], dim=-1)  # [H, S, nope + P]
+        values = torch.einsum("sr,hvr->hsv", kept[:, :latent], w_uv)  # [H, S, v]
+        query = torch.cat([q_nope[index], q_rope[index]], dim=-1).transpose(0, 1)  # [H, t, nope + P]
+        from_start = index.numel() == length and bool((at == torch.arange(length, device=at.device)).all())
+        for start in range(0, index.numel(), QUERY_CHUNK):
+            stop = min(start + QUERY_CHUNK, index.numel())
+            if from_start and start == 0 and stop == length:  # the whole sequence from position 0: causal
+                part = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+            else:
+                visible = torch.arange(length, device=at.device)[None, :] <= at[start:stop, None]
+                part = F.scaled_dot_product_attention(query[:, start:stop], keys, values, attn_mask=visible,
+                                                      scale=scale)
+            out[index[start:stop]] = part.transpose(0, 1)
+    return out
 
 
 def _rotary(module: nn.Module):
@@ -91,14 +150,6 @@ def _rotary(module: nn.Module):
     if "apply_rotary_pos_emb_interleave" in source:
         return interleaved
     return modeling.apply_rotary_pos_emb
-
-
-def absorbed_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_b_proj``'s weight as W_UK [H, nope, R] and W_UV [H, v, R] (views: a weight changed in place is seen)."""
-    weight = module.kv_b_proj.weight
-    heads = weight.shape[0] // (module.qk_nope_head_dim + module.v_head_dim)
-    w = weight.view(heads, module.qk_nope_head_dim + module.v_head_dim, -1)
-    return w[:, :module.qk_nope_head_dim], w[:, module.qk_nope_head_dim:]
 
 
 def latent_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
@@ -121,19 +172,16 @@ def latent_forward(self, hidden_states, position_embeddings=None, attention_mask
     latent = self.kv_a_layernorm(latent)
     cos, sin = position_embeddings
     q_rot, k_rot = self._piecewise_rotary(q_rot, k_rot.view(batch, 1, tokens, rope), cos, sin)
-    w_uk, w_uv = absorbed_weights(self)
-    q_latent = torch.bmm(q_nope[0], w_uk.to(q_nope.dtype))  # [H, T, R]
     topk = None
     indexer = getattr(self, "indexer", None)
     if indexer is not None:
         topk = indexer(hidden_states, q_resid, position_embeddings, None, kwargs.get("position_ids"))
     elif "prev_topk_indices" in kwargs:  # a layer sharing the previous indexer's picks (GLM-5 after 5.20)
         topk = kwargs["prev_topk_indices"]
-    out = mla_attention(q_latent.transpose(0, 1), q_rot[0].transpose(0, 1), latent[0], k_rot[0, 0],
+    out = mla_attention(q_nope[0].transpose(0, 1), q_rot[0].transpose(0, 1), latent[0], k_rot[0, 0],
                         call["piecewise_positions"], call.get("piecewise_slots"), cache, self.layer_idx,
-                        self.scaling, None if topk is None else topk[0])  # [T, H, R]
-    out = torch.bmm(out.transpose(0, 1), w_uv.to(out.dtype).transpose(1, 2))  # [H, T, v]
-    out = self.o_proj(out.transpose(0, 1).reshape(batch, tokens, -1))
+                        self.scaling, None if topk is None else topk[0], self.kv_b_proj.weight)  # [T, H, v]
+    out = self.o_proj(out.reshape(batch, tokens, -1))
     return (out, None, topk) if self._piecewise_returns_topk else (out, None)
 
 
