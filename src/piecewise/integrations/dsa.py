@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context import context, redirect_padding
+from ..kernels import indexer as indexer_kernel
+from ..kernels.indexer import index_scores, index_scores_reference
 from ..opaque import opaque_op
 
 INDEXED = frozenset({"indexed_attention", "deepseek_sparse_attention"})
@@ -67,12 +69,13 @@ def dsa_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, position
     picks = []
     for start, stop in _chunks(q.shape[0], key_positions.shape[0] * max(q.shape[1:])):  # bounded memory, long calls
         if index_cache is not None:  # each token's own sequence's keys
-            scores = torch.einsum("thd,tjd->thj", q[start:stop].float(), cache[rows[start:stop]].float())
+            scores_of = index_scores if q.is_cuda and indexer_kernel.triton is not None else index_scores_reference
+            index = scores_of(q[start:stop], weights[start:stop], cache, rows[start:stop], positions[start:stop],
+                              scale)
         else:  # the call's keys, shared by its tokens
-            scores = torch.einsum("thd,jd->thj", q[start:stop].float(), k.float())
-        scores = F.relu(scores) * scale
-        index = torch.einsum("th,thj->tj", weights[start:stop].float(), scores)
-        index = index.masked_fill(key_positions[None, :] > positions[start:stop, None], float("-inf"))
+            scores = F.relu(torch.einsum("thd,jd->thj", q[start:stop].float(), k.float())) * scale
+            index = torch.einsum("th,thj->tj", weights[start:stop].float(), scores)
+            index = index.masked_fill(key_positions[None, :] > positions[start:stop, None], float("-inf"))
         if index.shape[1] < topk:  # fewer keys than picks (no cache): the rest point past them, masked
             index = F.pad(index, (0, topk - index.shape[1]), value=float("-inf"))
         picks.append(index.topk(topk, dim=-1).indices)
