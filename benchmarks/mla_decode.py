@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import piecewise  # noqa: E402
 from hf_decode import GLM5, GLM5_TINY, build, progress, rel_error, timed, with_weights_of  # noqa: E402
+from piecewise.integrations import mla  # noqa: E402
 from piecewise.integrations.transformers import TokenModel, enable, quantize  # noqa: E402
 
 DSV3 = dict()  # transformers' DeepseekV3Config defaults are DeepSeek-V3's shapes
@@ -120,8 +121,9 @@ def main() -> int:
         for latent in modes:
             enable(model, experts=True, latent_cache=latent)
             label = "latent cache" if latent else "per-head cache"
-            for ctx in contexts:
-                fits = [b for b in batches if token_model.kv_bytes_per_token() * (ctx + 1) * b < BUDGET - weights]
+            for ctx in contexts if latent else contexts[:1]:  # the per-head cache: the shortest context, B <= 32
+                fits = [b for b in batches if token_model.kv_bytes_per_token() * (ctx + 1) * b < BUDGET - weights
+                        and (latent or b <= 32)]
                 if not fits:
                     continue
                 widest = max(fits)
@@ -158,7 +160,7 @@ def main() -> int:
                 del runner, cache, step
                 if device == "cuda":
                     torch.cuda.empty_cache()
-            for length in prefills:
+            for length in prefills if latent else prefills[:1]:
                 ids = torch.randint(0, c.vocab_size, (length,), device=device)
                 cache = token_model.make_kv_cache(max_seq_len=length)
                 positions = torch.arange(length, device=device)
@@ -167,6 +169,15 @@ def main() -> int:
                 except torch.OutOfMemoryError:
                     ms = None
                 row = {"cache": label, "tokens": length, "ms": ms}
+                if latent and not getattr(c, "index_topk", None):  # dense MLA: each path forced, for the threshold
+                    for path, threshold in (("absorbed_ms", 1 << 30), ("up_projected_ms", 0)):
+                        chosen, mla.UP_PROJECT_TOKENS = mla.UP_PROJECT_TOKENS, threshold
+                        try:
+                            row[path] = timed(lambda: token_model(ids, positions, cache), sync, 1, 2)
+                        except torch.OutOfMemoryError:
+                            row[path] = None
+                        finally:
+                            mla.UP_PROJECT_TOKENS = chosen
                 if latent and reference is not None:
                     try:
                         row["transformers_ms"] = timed(lambda: reference(input_ids=ids[None], use_cache=False,
@@ -200,10 +211,12 @@ def markdown(result: dict) -> str:
         error = f"{r['rel_error']:.1e}" if r["rel_error"] is not None else "-"
         lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | {error} "
                      f"| {r['frontend']}, {r['graph_mode']} |")
-    lines += ["", "| cache | prefill tokens | piecewise ms | transformers ms (no cache) |", "|---|---|---|---|"]
+    lines += ["", "| cache | prefill tokens | piecewise ms | transformers ms (no cache) | dense MLA: absorbed ms | "
+              "up-projected ms |", "|---|---|---|---|---|---|"]
     for r in result["prefill"]:
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        lines.append(f"| {r['cache']} | {r['tokens']} | {fmt(r['ms'])} | {fmt(r.get('transformers_ms'))} |")
+        lines.append(f"| {r['cache']} | {r['tokens']} | {fmt(r['ms'])} | {fmt(r.get('transformers_ms'))} | "
+                     f"{fmt(r.get('absorbed_ms'))} | {fmt(r.get('up_projected_ms'))} |")
     return "\n".join(lines) + "\n"
 
 
