@@ -184,7 +184,9 @@ def test_a_side_stream_left_open_at_a_splitting_op_is_joined_there_and_one_piece
     with torch.no_grad():
         for tokens in (3, 1, 4, 2):
             x = torch.randn(tokens, 8, device="cuda")
-            assert rel_error(runner(x), model(x)) <= 1e-6
+            # the model's own forward races (the op reads h before the side stream may have written it): the
+            # reference is what it means, the linear layer then the op
+            assert rel_error(runner(x), scale(model.linear(x))) <= 1e-6
     assert runner.stats["replays"] > 0
     if not hasattr(torch, "Event") or not hasattr(torch.Stream, "__enter__"):
         return

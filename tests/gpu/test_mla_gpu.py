@@ -39,7 +39,7 @@ def test_latent_attention_in_full_graphs_equals_transformers(name, frontend):
         got = test_mla.run_steps(runner, sequences, cache, prompt=5)
     for logits, want in zip(got, expected):
         torch.testing.assert_close(logits, want, rtol=1e-3, atol=1e-3)
-    assert runner.stats["full_calls"] > 0 and runner.stats["replays"] > 0, dict(runner.stats)
+    assert runner.stats["replays"] > 0, dict(runner.stats)  # float32 experts are a splitting op: piecewise graphs
 
 
 @pytest.mark.parametrize("name", ["DeepseekV3", "GlmMoeDsa"])
@@ -54,5 +54,6 @@ def test_bf16_graphs_replay_what_the_runner_computes_without_them(name):
             cache = token_model.make_kv_cache(max_seq_len=32, sequences=3)
             runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16, cuda_graphs=graphs))
             results[graphs] = torch.cat(test_mla.run_steps(runner, sequences, cache, prompt=5))
+        assert runner.stats["full_calls"] > 0, dict(runner.stats)  # bf16: grouped_mm experts, the latent op inside
     rel = float((results[True].float() - results[False].float()).norm() / results[False].float().norm())
     assert rel <= 1e-2, rel
