@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -102,3 +103,58 @@ def test_the_demo_jit_example_runs_breakable_and_verifies(capsys: pytest.Capture
     with pytest.warns(UserWarning, match="runs with the breakable front-end"):
         assert main(["verify", f"{example}:example", "--max-tokens", "8"]) == 0
     assert "breakable front-end" in capsys.readouterr().out
+
+
+CLI_TARGETS = os.path.join(HERE, "fixtures", "cli_targets.py")
+
+
+def test_piped_doctor_wraps_its_cards_and_keeps_every_word_of_the_fix(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # what a pipe gets: rich's default width
+    assert main(["doctor", target("jit_model"), "--json"]) == 1
+    fix = json.loads(capsys.readouterr().out)["blockers"][0]["fix"]
+    assert main(["doctor", target("jit_model")]) == 1  # stdout is captured: not a terminal
+    out = capsys.readouterr().out
+    cards = [line for line in out.splitlines() if line[:1] in "│╭╰"]
+    assert cards and max(len(line) for line in cards) <= 80  # wrapped inside the card, not cut at its border
+    words = set(re.sub("[│╭╮╰╯─]", " ", out).split())
+    assert [word for word in fix.split() if word not in words] == []
+
+
+def test_a_target_file_imports_the_modules_beside_it(capsys: pytest.CaptureFixture) -> None:
+    beside = os.path.join(HERE, "fixtures", "beside", "target.py")
+    assert main(["doctor", f"{beside}:make"]) == 0, capsys.readouterr().err
+    assert "capture-safe" in capsys.readouterr().out
+    assert os.path.dirname(beside) not in sys.path  # on the path while the file loads, not after
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_a_refusal_is_one_line_with_the_fix_on_every_command(command: str, capsys: pytest.CaptureFixture) -> None:
+    assert main([command, f"{CLI_TARGETS}:refused"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"piecewise {command}: `+=` at ") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert "updates `self.steps` in place from its own value" in err and "Keep such state out" in err
+
+
+def test_an_error_of_the_model_keeps_its_traceback() -> None:
+    with pytest.raises(ValueError, match="the model's own error"):  # a ValueError, but not piecewise's
+        main(["run", f"{CLI_TARGETS}:broken"])
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_run_takes_the_front_end(frontend: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", f"{CLI_TARGETS}:linear", "--frontend", frontend, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["frontend"] == frontend
+
+
+def test_runner_options_the_config_refuses_are_usage_errors(capsys: pytest.CaptureFixture) -> None:
+    assert main(["verify", f"{CLI_TARGETS}:linear", "--frontend", "breakable", "--compiler", "inductor"]) == 2
+    assert "piecewise verify: error: " in capsys.readouterr().err
+
+
+def test_checkpoint_on_a_missing_folder_says_it_is_missing(capsys: pytest.CaptureFixture) -> None:
+    missing = os.path.join(HERE, "fixtures", "no_such_checkpoint")
+    assert main(["checkpoint", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing}: no such folder" in err and "*.safetensors" in err and "hf_quant_config.json" in err

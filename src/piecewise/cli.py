@@ -1,12 +1,16 @@
 """The ``piecewise`` command line.
 
     piecewise doctor path/to/file.py:factory [--json]
-    piecewise run path/to/file.py:factory [--max-tokens N] [--compiler eager|inductor] [--json]
+    piecewise run path/to/file.py:factory [RUNNER OPTIONS] [--json]
     piecewise checkpoint path/to/nvfp4-checkpoint [--json]
-    piecewise verify path/to/file.py:factory [--max-tokens N] [--frontend auto|dynamo|breakable] [--json PATH]
+    piecewise verify path/to/file.py:factory [RUNNER OPTIONS] [--json PATH]
 
-``factory()`` returns ``(model, args)`` or ``(model, args, kwargs)``. Exit status: 0 capture-safe,
-1 blockers found (the report says which and how to fix them), 2 usage errors.
+RUNNER OPTIONS (``CaptureConfig`` fields): ``--max-tokens N --frontend auto|dynamo|breakable
+--compiler eager|inductor --strict``.
+
+``factory()`` returns ``(model, args)`` or ``(model, args, kwargs)``; the file's folder is on the import path while
+it loads. Exit status: 0 capture-safe, 1 blockers found or piecewise refused the model (one line says why and how
+to fix it), 2 usage errors.
 
 Each subcommand is one ``add_<name>(subparsers)`` function that registers its parser and sets
 ``handler``; ``main`` dispatches on it. Add a subcommand by writing one such function and listing it in
@@ -26,6 +30,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .config import FRONTENDS
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +75,18 @@ def _module_name(path: str) -> str:
     return f"piecewise_target_{name}"
 
 
+@contextlib.contextmanager
+def _folder_on_path(path: str):
+    """The target file's folder first on the import path, as ``python path/to/file.py`` has it: the file may
+    import the modules beside it (they stay imported once loaded)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path.remove(folder)
+
+
 def _load_module(path: str) -> Any:
     if not path.endswith(".py") and not os.path.exists(path) and re.fullmatch(r"[\w.]+", path):
         try:  # a dotted module name, e.g. piecewise.models.llama
@@ -84,7 +102,8 @@ def _load_module(path: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
-        spec.loader.exec_module(module)
+        with _folder_on_path(path):
+            spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(name, None)
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -105,7 +124,8 @@ def load_target(target: str) -> Target:
     if not callable(factory):
         raise UsageError(f"{path}:{factory_name} is not a function (it is of type {type(factory).__name__})")
     try:
-        result = factory()
+        with _folder_on_path(path) if os.path.isfile(path) else contextlib.nullcontext():
+            result = factory()
     except Exception as exc:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         raise UsageError(f"{path}:{factory_name}() raised {detail}") from exc
@@ -139,6 +159,25 @@ def _console():
     from rich.console import Console
 
     return Console(soft_wrap=not sys.stdout.isatty())
+
+
+def _add_runner_options(parser: argparse.ArgumentParser) -> None:
+    """The ``CaptureConfig`` fields of every command that builds a runner."""
+    parser.add_argument("--max-tokens", type=int, default=64, help="largest captured token count (default 64)")
+    parser.add_argument("--frontend", default="auto", choices=FRONTENDS, help="front-end (default auto)")
+    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"], help="piece compiler")
+    parser.add_argument("--strict", action="store_true", help="fail on anything Dynamo cannot trace")
+
+
+def _capture_config(options: argparse.Namespace) -> Any:
+    """The ``CaptureConfig`` of ``_add_runner_options``; a value it refuses is a usage error."""
+    import piecewise
+
+    try:
+        return piecewise.CaptureConfig(max_tokens=options.max_tokens, frontend=options.frontend,
+                                       compiler=options.compiler, strict=options.strict)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _subcommand(subparsers: argparse._SubParsersAction, name: str, handler, summary: str, description: str):
@@ -183,9 +222,7 @@ def add_run(subparsers: argparse._SubParsersAction) -> None:
         "and on every capture size's worth of them, compare with eager and print the runtime's stats. "
         "Exit 0 when outputs match eager, 1 when they do not.")
     parser.add_argument("target", help="path/to/file.py:factory or module:factory; factory() returns (model, args[, kwargs])")
-    parser.add_argument("--max-tokens", type=int, default=64, help="largest captured token count (default 64)")
-    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"], help="piece compiler")
-    parser.add_argument("--strict", action="store_true", help="fail on anything Dynamo cannot trace")
+    _add_runner_options(parser)
     parser.add_argument("--json", action="store_true", help="print the stats as JSON")
 
 
@@ -199,23 +236,14 @@ def run_run(options: argparse.Namespace) -> int:
 
     import piecewise
 
-    try:
-        config = piecewise.CaptureConfig(max_tokens=options.max_tokens, compiler=options.compiler, strict=options.strict)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+    config = _capture_config(options)
     model = target.model
     args = [copy.deepcopy(a) if isinstance(a, torch.Tensor) else a for a in target.args]
     reference_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     with torch.no_grad():
         expected = model(*reference_args, **target.kwargs)
     runner = piecewise.compile(model, config)
-    try:
-        output = runner(*args, **target.kwargs)
-    except (piecewise.CaptureBlockedError, piecewise.VerificationError, ValueError, RuntimeError) as exc:
-        if not str(exc).startswith(("piecewise", "the forward")):
-            raise  # not piecewise's own refusal: the model's error, with its traceback
-        print(f"piecewise run: {str(exc).removeprefix('piecewise: ')}", file=sys.stderr)
-        return EXIT_BLOCKED
+    output = runner(*args, **target.kwargs)  # a refusal is main's to print
     expected_leaves = [t for t in torch.utils._pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
     output_leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
     errors = [
@@ -300,8 +328,7 @@ def add_verify(subparsers: argparse._SubParsersAction) -> None:
         "file defines it. Exit 0 when every size matches, 1 on a mismatch (the report names where the forward "
         "parts from eager), 2 on usage errors.")
     parser.add_argument("target", help="path/to/file.py:factory or module:factory; factory() returns (model, args[, kwargs])")
-    parser.add_argument("--max-tokens", type=int, default=64, help="largest captured token count (default 64)")
-    parser.add_argument("--frontend", default="auto", choices=["auto", "dynamo", "breakable"], help="front-end")
+    _add_runner_options(parser)
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
 
 
@@ -310,11 +337,7 @@ def run_verify(options: argparse.Namespace) -> int:
 
     import piecewise
 
-    try:
-        config = piecewise.CaptureConfig(max_tokens=options.max_tokens, frontend=options.frontend)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    runner = piecewise.compile(target.model, config)
+    runner = piecewise.compile(target.model, _capture_config(options))
     report = runner.verify(*target.args, make_inputs=target.make_inputs, **target.kwargs)
     report.render(_console())
     if options.json:
@@ -347,6 +370,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"piecewise {options.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as exc:
+        if not _refusal(exc):
+            raise  # a bug, in the model or in piecewise: its traceback matters
+        print(f"piecewise {options.command}: {str(exc).removeprefix('piecewise: ')}", file=sys.stderr)
+        return EXIT_BLOCKED
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _refusal(exc: Exception) -> bool:
+    """Whether ``exc`` is piecewise refusing the model, whose message says why and what to do: one of its errors,
+    or a ``ValueError`` piecewise's own code raised (a bad argument, a KV cache too short)."""
+    from .errors import REFUSALS
+
+    if isinstance(exc, REFUSALS):
+        return True
+    raised_at = traceback.extract_tb(exc.__traceback__)[-1:]
+    return isinstance(exc, ValueError) and any(os.path.abspath(f.filename).startswith(_PACKAGE) for f in raised_at)
 
 
 if __name__ == "__main__":

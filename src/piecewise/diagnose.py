@@ -124,13 +124,15 @@ class DoctorReport:
             console.print(Text(f"front-ends: dynamo blocked; breakable "
                                f"{'usable' if not self.breakable_blockers else 'blocked'}"
                                + (f" -> use {choice}: {reason}" if choice else f": {reason}"), style="bold"))
+        # Cards wrap at the console's width even where lines do not (a piped console): soft-wrapped, a card
+        # would be cut at its border, and the fix with it.
         for index, blocker in enumerate(self.blockers, start=1):
-            console.print(_panel(index, blocker))
+            console.print(_panel(index, blocker), soft_wrap=False)
         for warning in self.warnings:
             console.print(Text(f"warning: {warning}", style="yellow"))
         for index, blocker in enumerate(self.breakable_blockers or [], start=len(self.blockers) + 1):
             console.print(Text("breakable front-end:", style="bold"))
-            console.print(_panel(index, blocker))
+            console.print(_panel(index, blocker), soft_wrap=False)
 
     def __str__(self) -> str:
         buffer = io.StringIO()

@@ -82,3 +82,13 @@ class VerificationError(RuntimeError):
 class FullGraphRefused(RuntimeError):
     """The forward cannot run inside one full graph (``CaptureConfig.graph_mode``): the runner turns full graphs
     off for the model, says why, and runs every call piecewise."""
+
+
+class FakeMismatch(ValueError):
+    """An opaque op's ``fake`` describes other outputs than the op returns (seen at the op's first eager call):
+    Dynamo would trace the rest of the forward for the fake's shapes. The message names the op, both and the fix."""
+
+
+REFUSALS = (ForwardRefused, CaptureFailed, CaptureOutOfMemory, CaptureBlockedError, VerificationError,
+            FullGraphRefused, FakeMismatch)
+"""piecewise refusing a model, with the reason and the fix in the message (the CLI prints it in one line)."""

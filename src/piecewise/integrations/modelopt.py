@@ -52,6 +52,7 @@ class _Folder(Mapping):
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
+        _check_folder(folder)
         self._files: dict[str, object] = {}
         for file in sorted(folder.glob("*.safetensors")):
             opened = safe_open(file, framework="pt")
@@ -70,9 +71,17 @@ class _Folder(Mapping):
         return len(self._files)
 
 
+def _check_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: {'not a folder' if folder.exists() else 'no such folder'}; a ModelOpt NVFP4 "
+                         f"checkpoint is a folder of *.safetensors files with hf_quant_config.json (or a "
+                         f"quantization_config in config.json)")
+
+
 def read_quant_config(folder: Path) -> dict:
     """The quantization section of ``hf_quant_config.json`` (``{"quantization": {...}}``) or of
     ``config.json`` (``"quantization_config"``)."""
+    _check_folder(folder)
     quant_file, config_file = folder / "hf_quant_config.json", folder / "config.json"
     if quant_file.exists():
         return json.loads(quant_file.read_text()).get("quantization", {})
