@@ -158,3 +158,26 @@ def test_checkpoint_on_a_missing_folder_says_it_is_missing(capsys: pytest.Captur
     assert main(["checkpoint", missing]) == 2
     err = capsys.readouterr().err
     assert f"{missing}: no such folder" in err and "*.safetensors" in err and "hf_quant_config.json" in err
+
+
+def test_doctor_names_a_method_holding_a_lock_as_the_user_wrote_it(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = os.path.dirname(HERE)
+    monkeypatch.chdir(root)
+    assert main(["doctor", "examples/jit_in_layer.py:example", "--json"]) == 1
+    fix = json.loads(capsys.readouterr().out)["blockers"][0]["fix"]
+    assert fix.startswith("`CheckedNorm.forward` (in examples/jit_in_layer.py) runs host-side setup")
+    with open("examples/jit_in_layer.py") as source:
+        lock_line = next(n for n, line in enumerate(source, start=1) if "with _lock:" in line)
+    assert f"at line {lock_line}." in fix and "`CheckedNorm.__init__`" in fix and "frontend='breakable'" in fix
+    assert "piecewise_target" not in fix and "jit_in_layer.forward" not in fix
+
+
+def test_doctor_names_a_function_of_a_target_file_by_its_name_and_file(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(os.path.dirname(HERE))
+    assert main(["doctor", "tests/fixtures/cli_targets.py:llama_with_locked_attention", "--json"]) == 1
+    fix = json.loads(capsys.readouterr().out)["blockers"][0]["fix"]
+    assert fix.startswith("`locked_attention` (in tests/fixtures/cli_targets.py) runs host-side setup")
+    assert "locked_attention = piecewise.wrap_opaque(locked_attention, fake=lambda q, k, v, positions, " in fix
+    assert "piecewise_target" not in fix

@@ -23,7 +23,8 @@ import torch
 
 from piecewise import _compat
 from piecewise.diagnostics import _dynamo
-from piecewise.diagnostics.classify import FIXES, KINDS, analyse, jit_fix
+from piecewise.diagnostics.classify import FIXES, KINDS, analyse
+from piecewise.diagnostics.jit_fix import jit_fix
 from piecewise.errors import CaptureBlockedError
 from piecewise.graph.writes import accumulates, describe_write, writes_to_inputs
 

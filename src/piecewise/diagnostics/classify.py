@@ -6,11 +6,9 @@ Kinds are decided from Dynamo's reason text and ``gb_type`` first, then from wha
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import re
-import sys
 import sysconfig
 import traceback
 from dataclasses import dataclass
@@ -161,24 +159,24 @@ class Finding:
     frames: list[traceback.FrameSummary]
 
 
-def _real(path: str) -> str:
+def real_path(path: str) -> str:
     return os.path.realpath(path) if path and not path.startswith("<") else path
 
 
 def is_torch_internal(path: str) -> bool:
-    return _real(path).startswith(_TORCH_DIR)
+    return real_path(path).startswith(_TORCH_DIR)
 
 
 def is_stdlib(path: str) -> bool:
     if path.startswith("<frozen"):
         return True
-    real = _real(path)
+    real = real_path(path)
     return real.startswith(_STDLIB_DIRS) and not real.startswith(_SITE_DIRS)
 
 
 def _stdlib_module(path: str) -> str | None:
     """Top-level module name of a stdlib or site-packages file (``subprocess``, ``logging``, ``filelock``)."""
-    real = _real(path)
+    real = real_path(path)
     for root in (*_SITE_DIRS, *_STDLIB_DIRS):
         if real.startswith(root):
             relative = real[len(root):]
@@ -277,75 +275,6 @@ def classify(reason: str, gb: str | None, stack: list[traceback.FrameSummary]) -
     if any(marker in lowered for marker in host_sync_markers):
         return "host_sync"
     return "unsupported_builtin"
-
-
-def _module_name_of(path: str) -> str | None:
-    real = _real(path)
-    for name, module in list(sys.modules.items()):
-        module_file = getattr(module, "__file__", None)
-        if module_file and _real(module_file) == real:
-            return name
-    return None
-
-
-def _public_path(module_name: str, function: str) -> tuple[str, object | None]:
-    """Shortest ``package.function`` path that names the same object as ``module_name.function``."""
-    module = sys.modules.get(module_name)
-    target = getattr(module, function, None) if module is not None else None
-    if target is None:
-        return f"{module_name}.{function}", None
-    parts = module_name.split(".")
-    for depth in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:depth])
-        if getattr(sys.modules.get(prefix), function, None) is target:
-            return f"{prefix}.{function}", target
-    return f"{module_name}.{function}", target
-
-
-def _package_root(path: str) -> str:
-    """Top-most package directory holding ``path`` (the file itself when it is not in a package)."""
-    directory = os.path.dirname(_real(path))
-    if not os.path.exists(os.path.join(directory, "__init__.py")):
-        return _real(path)
-    while os.path.exists(os.path.join(os.path.dirname(directory), "__init__.py")):
-        directory = os.path.dirname(directory)
-    return directory + os.sep
-
-
-def library_entry(frames: list[traceback.FrameSummary], root_file: str) -> int | None:
-    """Index of the outermost frame outside the model's own file/package and outside the stdlib."""
-    root = _package_root(root_file)
-    for index, frame in enumerate(frames):
-        real = _real(frame.filename)
-        inside_model = real == root if not root.endswith(os.sep) else real.startswith(root)
-        if not inside_model and not is_stdlib(frame.filename) and not is_torch_internal(frame.filename):
-            return index
-    return None
-
-
-def jit_fix(frames: list[traceback.FrameSummary], root_file: str | None) -> str:
-    """The remedy for ``jit_subprocess``, naming the library entry point to wrap."""
-    entry = library_entry(frames, root_file or (frames[0].filename if frames else ""))
-    if entry is None:
-        return FIXES["unsupported_builtin"].replace("Dynamo cannot trace this call", "Dynamo cannot trace "
-                                                    "host-process calls (subprocess, locks, file I/O)")
-    frame = frames[entry]
-    module_name = _module_name_of(frame.filename)
-    dotted, target = _public_path(module_name, frame.name) if module_name else (frame.name, None)
-    try:
-        params = ", ".join(inspect.signature(target).parameters) if callable(target) else "*args"
-    except (TypeError, ValueError):
-        params = "*args"
-    call_site = frames[entry - 1] if entry > 0 else None
-    where = f" (the call at {call_site.filename}:{call_site.lineno})" if call_site else ""
-    return (
-        f"{dotted} runs host-side setup on first use (a subprocess, lock or file I/O: e.g. a JIT build or a "
-        f"toolkit version check) that Dynamo cannot trace. Make it an opaque op so tracing records one call "
-        f"and never enters it, and call the wrapper from forward{where}:\n"
-        f"    {frame.name} = piecewise.wrap_opaque({dotted}, fake=lambda {params}: ...)\n"
-        f"The fake returns empty tensors with the output shapes and dtypes; piecewise's eager warm-up makes "
-        f"the first (building) call outside tracing."
-    )
 
 
 def disabled_function(reason: str) -> str | None:
