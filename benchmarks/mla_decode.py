@@ -74,13 +74,14 @@ def main() -> int:
     parser.add_argument("--per-head", action="store_true", help="also the per-head cache (B and context that fit)")
     parser.add_argument("--frontend", default="auto", choices=["auto", "dynamo", "breakable"])
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, help="profile the decode step of this many sequences")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rounds, iters = (2, 2) if args.tiny else (5, 10)
     architecture, real, tiny = MODELS[args.model]
-    contexts = [int(c) for c in args.context.split(",")]
+    contexts = [int(c) for c in args.context.split(",") if c]
     batches = [int(b) for b in args.batch.split(",")]
     prefills = [int(p) for p in args.prefill.split(",") if p]
     if args.tiny:
@@ -128,7 +129,7 @@ def main() -> int:
                     continue
                 widest = max(fits)
                 ids = torch.randint(0, c.vocab_size, (widest, ctx + 1), device=device)
-                ids[:, :ctx] = ids[0, :ctx]
+                ids[:, :ctx] = ids[0, :ctx].clone()
                 cache = token_model.make_kv_cache(max_seq_len=ctx + 1, sequences=widest)
                 runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=widest,
                                                                                 frontend=args.frontend))
@@ -156,6 +157,15 @@ def main() -> int:
                                              "rel_error": error, "frontend": runner.stats["frontend"],
                                              "graph_mode": runner.stats["graph_mode"]})
                     progress(f"{label}, context {ctx}, B={b}: {ms:.3f} ms (floor {floor:.3f}), rel. error {error}")
+                    if b == args.profile and latent and args.out:
+                        from torch.profiler import ProfilerActivity, profile
+
+                        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                            for _ in range(10):
+                                step()
+                            sync()
+                        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+                        (args.out / f"profile-{args.model}-B{b}-{ctx}.txt").write_text(table)
                     write()
                 del runner, cache, step
                 if device == "cuda":

@@ -172,3 +172,24 @@ def test_long_dense_calls_up_project_the_latent_rows_and_equal_transformers(name
         torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(extend, expected[0][5:9], rtol=1e-4, atol=1e-4)
     assert taken == [15] * model.config.num_hidden_layers + [4] * model.config.num_hidden_layers
+
+
+def test_a_long_dsa_call_whose_queries_pick_every_earlier_key_takes_the_dense_path(monkeypatch):
+    """GLM-5 with 4 picks and ``UP_PROJECT_TOKENS`` at 2: a 4-token prefill (no query has more than 4 earlier keys:
+    each picks them all) is dense attention and up-projects; an 11-token prefill attends over the picks in the
+    latent space. Both equal transformers."""
+    import test_dsa
+
+    monkeypatch.setattr(mla, "UP_PROJECT_TOKENS", 2)
+    taken = []
+    up_projected = mla.up_projected_attention
+    monkeypatch.setattr(mla, "up_projected_attention", lambda *a: taken.append(a[0].shape[0]) or up_projected(*a))
+    model = test_dsa.build("GlmMoeDsa", seed=9)
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        expected = model(input_ids=ids[None], use_cache=False).logits[0]
+        token_model = TokenModel(enable(model))
+        for length in (4, 11):
+            got = token_model(ids[:length], torch.arange(length), token_model.make_kv_cache(max_seq_len=16))
+            torch.testing.assert_close(got, expected[:length], rtol=1e-4, atol=1e-4)
+    assert taken == [4] * model.config.num_hidden_layers

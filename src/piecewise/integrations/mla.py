@@ -62,8 +62,9 @@ UP_PROJECT_TOKENS = 1024
 into per-head keys and values (one SDPA per sequence) instead of in the latent space: per query and head the
 absorbed scores cost kv_lora_rank + qk_rope_head_dim and the sum kv_lora_rank multiply-adds per key (1088 for
 DeepSeek-V3), against qk_nope + qk_rope + v_head_dim (320) once up-projected, which a long prefill's keys pay back
-(``benchmarks/mla_decode.py``, RESULTS.md). Sparse attention (DSA) always attends in the latent space: each query
-has its own picks, so no up-projection is shared."""
+(``benchmarks/mla_decode.py``, RESULTS.md). Sparse attention (DSA) attends in the latent space (each query has its
+own picks, so no up-projection is shared), except where no query of a long call has more earlier keys than it
+picks: it then picks every one, and the dense path is the same attention."""
 
 
 def _fake(q_nope, q_rope, latent, k_rope, positions, slots, cache, layer, scale, indices, kv_b_weight):
@@ -96,7 +97,8 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tens
     rows = slots if slots is not None else torch.zeros_like(positions)
     rows, positions, latent, k_rope, q_nope, q_rope = redirect_padding(rows, positions, latent, k_rope, q_nope, q_rope)
     layer_cache[rows, positions] = torch.cat([latent, k_rope], dim=-1).to(layer_cache.dtype)
-    if indices is None and tokens > UP_PROJECT_TOKENS:
+    if tokens > UP_PROJECT_TOKENS and (indices is None or int(positions.max()) < indices.shape[1]):
+        # dense, or sparse where no query has more earlier keys than picks: each query then picks them all
         return up_projected_attention(q_nope, q_rope, layer_cache, rows, positions, scale, w_uk, w_uv)
     if indices is not None:
         indices = redirect_padding(indices)[0]
@@ -128,15 +130,16 @@ def up_projected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cac
         values = torch.einsum("sr,hvr->hsv", kept[:, :latent], w_uv)  # [H, S, v]
         query = torch.cat([q_nope[index], q_rope[index]], dim=-1).transpose(0, 1)  # [H, t, nope + P]
         from_start = index.numel() == length and bool((at == torch.arange(length, device=at.device)).all())
+        keys, values = keys[None], values[None]  # 4-D: SDPA's fused kernels take nothing else
         for start in range(0, index.numel(), QUERY_CHUNK):
             stop = min(start + QUERY_CHUNK, index.numel())
             if from_start and start == 0 and stop == length:  # the whole sequence from position 0: causal
-                part = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+                part = F.scaled_dot_product_attention(query[None], keys, values, is_causal=True, scale=scale)
             else:
                 visible = torch.arange(length, device=at.device)[None, :] <= at[start:stop, None]
-                part = F.scaled_dot_product_attention(query[:, start:stop], keys, values, attn_mask=visible,
+                part = F.scaled_dot_product_attention(query[None, :, start:stop], keys, values, attn_mask=visible,
                                                       scale=scale)
-            out[index[start:stop]] = part.transpose(0, 1)
+            out[index[start:stop]] = part[0].transpose(0, 1)
     return out
 
 
