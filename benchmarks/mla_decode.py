@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--prefill", default="2048,8192")
     parser.add_argument("--per-head", action="store_true", help="also the per-head cache (B and context that fit)")
     parser.add_argument("--frontend", default="auto", choices=["auto", "dynamo", "breakable"])
+    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"], help="the pieces' compiler")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--profile", type=int, default=0, help="profile the decode step of this many sequences")
     args = parser.parse_args()
@@ -131,8 +132,8 @@ def main() -> int:
                 ids = torch.randint(0, c.vocab_size, (widest, ctx + 1), device=device)
                 ids[:, :ctx] = ids[0, :ctx].clone()
                 cache = token_model.make_kv_cache(max_seq_len=ctx + 1, sequences=widest)
-                runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=widest,
-                                                                                frontend=args.frontend))
+                runner = piecewise.compile(token_model, piecewise.CaptureConfig(
+                    max_tokens=widest, frontend=args.frontend, compiler=args.compiler))
                 runner(ids[0, :ctx], torch.arange(ctx, device=device), cache,
                        torch.zeros(ctx, dtype=torch.long, device=device))
                 cache[:, 1:] = cache[:, :1]
@@ -155,7 +156,7 @@ def main() -> int:
                     floor = step_floor_bytes(model, b, ctx) / HBM * 1e3
                     result["decode"].append({"cache": label, "context": ctx, "batch": b, "ms": ms, "floor_ms": floor,
                                              "rel_error": error, "frontend": runner.stats["frontend"],
-                                             "graph_mode": runner.stats["graph_mode"]})
+                                             "graph_mode": runner.stats["graph_mode"], "compiler": args.compiler})
                     progress(f"{label}, context {ctx}, B={b}: {ms:.3f} ms (floor {floor:.3f}), rel. error {error}")
                     if b == args.profile and latent and args.out:
                         from torch.profiler import ProfilerActivity, profile
