@@ -193,3 +193,20 @@ def test_a_long_dsa_call_whose_queries_pick_every_earlier_key_takes_the_dense_pa
             got = token_model(ids[:length], torch.arange(length), token_model.make_kv_cache(max_seq_len=16))
             torch.testing.assert_close(got, expected[:length], rtol=1e-4, atol=1e-4)
     assert taken == [4] * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "picks"])
+@pytest.mark.parametrize("tokens", [3, 5])
+def test_the_ops_fake_matches_what_it_returns_shapes_and_strides(tokens, sparse, monkeypatch):
+    """``torch.library.opcheck`` of ``mla_attention`` (latent and, with ``UP_PROJECT_TOKENS`` at 4, up-projected):
+    Inductor compares a custom op's output with its fake's, strides included (a transposed output made the full
+    graph of an inductor runner fail)."""
+    monkeypatch.setattr(mla, "UP_PROJECT_TOKENS", 4)
+    g = torch.Generator().manual_seed(11)
+    heads, nope, rope, latent, v = 4, 8, 4, 16, 12
+    args = (torch.randn(tokens, heads, nope, generator=g), torch.randn(tokens, heads, rope, generator=g),
+            torch.randn(tokens, latent, generator=g), torch.randn(tokens, rope, generator=g), torch.arange(tokens),
+            None, torch.zeros(2, 8, latent + rope), 1, 0.3,
+            torch.randint(0, 8, (tokens, 4), generator=g) if sparse else None,
+            torch.randn(heads * (nope + v), latent, generator=g))
+    torch.library.opcheck(mla.mla_attention, args, test_utils=("test_schema", "test_faketensor"))

@@ -104,7 +104,7 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tens
         indices = redirect_padding(indices)[0]
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
     out = attend_latent(q_latent, q_rope, layer_cache, rows, positions, scale, indices)
-    return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+    return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).contiguous()  # [T, H, v], as _fake
 
 
 QUERY_CHUNK = 4096
