@@ -17,9 +17,12 @@ partial softmaxes (``latent_splits``). No host sync, a grid from shapes only: ca
 also runs under ``TRITON_INTERPRET=1``. ``latent_attention_reference`` is the same computation in PyTorch;
 ``attend_latent`` picks between them.
 
-Blocks (``LatentBlocks``), chosen on an H200 at GLM-5 shapes (H=64, R=512, P=64, bf16; 2048 picks, B=32 is the
-case tuned, benchmarks/mla_attention.py --sweep): all 64 heads of a token in one program with 8 warps, 32 rows
-per step, 2 pipeline stages. A float32 cache takes 16 heads and 16 rows per step (shared memory).
+Blocks (``LatentBlocks``), chosen on an H200 at GLM-5 shapes (H=64, R=512, P=64, bf16, 2048 picks; B=32 is the
+case tuned: benchmarks/mla_attention.py --sweep, results in benchmarks/results/2026-12-01-h200-mla-attention.md):
+all 64 heads of a token in one program (no row gathered twice), 8 warps, 32 rows a step, three row blocks in
+flight. The 64 × 512 float32 sum takes 128 registers a thread, so one program runs per multiprocessor; decode
+reaches about a quarter of HBM bandwidth, limited by instruction latency with 8 warps a multiprocessor rather
+than by memory. A float32 cache takes 16 heads and 16 rows a step (shared memory).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ try:
 except Exception:  # noqa: BLE001 - no Triton: the reference only
     triton = None
 
+
 @dataclass(frozen=True)
 class LatentBlocks:
     """Block sizes of one launch of ``_latent_attention_kernel``."""
@@ -46,14 +50,18 @@ class LatentBlocks:
     """Cache rows gathered per step of the loop over picks."""
     warps: int = 8
     """``num_warps``."""
-    stages: int = 2
-    """``num_stages``: gathers in flight ahead of the step that uses them."""
-    rows_first: bool = True
+    stages: int = 5
+    """``num_stages`` over picks: Triton's pipeliner spends two of them on loading the picks, the rest hold
+    gathered row blocks in flight (5: three blocks)."""
+    rows_first: bool = False
     """Scores as [rows, heads] and the sum as [R, heads]: the queries are then the right-hand operand of the score
-    ``tl.dot`` and stay in shared memory instead of registers."""
+    ``tl.dot`` (measured no faster at 64 heads)."""
+    dense_stages: int = 3
+    """``num_stages`` over contiguous rows (no picks to load: as many row blocks in flight as ``stages``)."""
 
 
-BLOCKS = {torch.bfloat16: LatentBlocks(), torch.float16: LatentBlocks(), torch.float32: LatentBlocks(16, 16, 4, 2, False)}
+BLOCKS = {torch.bfloat16: LatentBlocks(), torch.float16: LatentBlocks(),
+          torch.float32: LatentBlocks(16, 16, 4, 2, dense_stages=2)}
 """Blocks per cache dtype (float32 rows are twice as wide in shared memory)."""
 
 
@@ -288,7 +296,8 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
         BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=blocks.rows, SPLIT=splits > 1,
         SPARSE=indices is not None, ROWS_FIRST=blocks.rows_first,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=blocks.warps, num_stages=blocks.stages,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=blocks.warps,
+        num_stages=blocks.stages if indices is not None else blocks.dense_stages,
     )
     if splits > 1:
         _combine_kernel[(tokens, heads)](
