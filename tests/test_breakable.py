@@ -260,6 +260,24 @@ def test_a_splitting_op_output_with_tokens_in_another_dimension_is_a_clear_error
         runner(torch.randn(3, 4))
 
 
+@piecewise.opaque_op("test_breakable::token_pairs", split=True, fake=lambda q: q.new_empty(q.shape[0], q.shape[0]))
+def token_pairs(q: torch.Tensor) -> torch.Tensor:
+    return q @ q.T  # [tokens, tokens]
+
+
+def test_a_splitting_op_output_with_the_token_count_in_two_dimensions_names_both():
+    class Pairs(torch.nn.Module):
+        def forward(self, x):
+            return token_pairs(x * 2) + 1
+
+    runner = piecewise.compile(Pairs(), piecewise.CaptureConfig(max_tokens=8, frontend="breakable"))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"returns output 0 of shape \(3, 3\) for 3 tokens, with "
+                                                          r"the token count in dimensions 0, 1; piecewise pads and "
+                                                          r"cuts dimension 0 only") as refused:
+        runner(torch.randn(3, 4))
+    assert "transpose" not in str(refused.value)
+
+
 @piecewise.opaque_op("test_breakable::pairs", split=True, fake=lambda q: q.new_empty(2 * q.shape[0], q.shape[1]))
 def pairs(q: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, -q])  # [2 * tokens, dim]: dimension 0 grows with the tokens, but twice as fast

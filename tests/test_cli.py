@@ -181,3 +181,14 @@ def test_doctor_names_a_function_of_a_target_file_by_its_name_and_file(
     assert fix.startswith("`locked_attention` (in tests/fixtures/cli_targets.py) runs host-side setup")
     assert "locked_attention = piecewise.wrap_opaque(locked_attention, fake=lambda q, k, v, positions, " in fix
     assert "piecewise_target" not in fix
+
+
+@pytest.mark.parametrize("command", ["run", "doctor"])
+def test_a_fake_of_the_wrong_shape_is_named_in_one_line(command: str, capfd: pytest.CaptureFixture) -> None:
+    assert main([command, f"{CLI_TARGETS}:wrong_fake"]) == 1
+    out, err = capfd.readouterr()
+    assert err.splitlines() == [
+        f"piecewise {command}: the fake of opaque op `test_fixtures::half_width` returns (4, 8) float32, but the op "
+        f"returned (4, 4) float32 on the same inputs (tensor inputs: (4, 8) float32). Dynamo traces the forward with "
+        f"the fake's outputs, so the code after the op would be traced for the wrong shape: make the fake return the "
+        f"real output's shape and dtype (e.g. x.new_empty(...) from its inputs)."]  # and no torch logging

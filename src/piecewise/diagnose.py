@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from piecewise.diagnostics.blockers import Blocker, _source_file, blockers_from_exception, find_blockers, remembered
 from piecewise.diagnostics.classify import FIXES
 from piecewise.frontends.user_frames import chain_text, user_chain
-from piecewise.opaque import opaque_op_info
+from piecewise.opaque import check_fakes, opaque_call_counts, opaque_op_info
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,8 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
     Runs the model once eagerly, then traces its forward with Dynamo (the model runs again, partly
     eagerly, while being traced), then runs piecewise's first call on the inputs (padding check, token-count
     guards, writes into state; with a CUDA-graph capture when the model is on CUDA). Dynamo's
-    compiled-frame caches are reset along the way. Raises RuntimeError if the eager run itself fails.
+    compiled-frame caches are reset along the way. Raises RuntimeError if the eager run itself fails, and
+    ``FakeMismatch`` if an opaque op's fake describes other outputs than the op returned in it.
     """
     forward = _forward_of(model)
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -201,6 +202,7 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
         return DoctorReport(blockers=[_batch_first(model, first)])
     tokens = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
     metadata = _MetadataOps(tokens)
+    counts = opaque_call_counts()
     with torch.no_grad(), remembered():  # the trace's blockers, found once for the trials too
         try:
             with metadata:
@@ -210,6 +212,7 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
                 f"the model fails when run eagerly ({type(exc).__name__}: {exc}); the doctor checks capture of "
                 f"a working model: fix the eager error first, or check the example inputs"
             ) from exc
+        check_fakes(name for name, count in opaque_call_counts().items() if count != counts.get(name, 0))
         blockers = find_blockers(forward, args, kwargs)
         size_notes: list[str] = []
         trial = _trial_capture(model, args, kwargs, size_notes=size_notes) if isinstance(model, torch.nn.Module) \

@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from .errors import FakeMismatch
+from .fakes import fake_mismatch
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "piecewise_ops"
@@ -40,6 +43,8 @@ class OpaqueOpInfo:
     """The Python body; the runtime calls it directly between pieces, skipping dispatcher overhead."""
     capturable: bool | Callable[[Any], bool] = False
     """Whether the op may run inside a full CUDA graph for a call (see ``opaque_op``)."""
+    fake_mismatch: str | None = None
+    """What the fake got wrong at the op's first eager call (``fakes.fake_mismatch``); ``compile`` refuses it."""
 
     def captures(self, ctx: Any) -> bool:
         """Whether the op accepts being captured whole for the call ``ctx`` (a ``ForwardContext``)."""
@@ -59,6 +64,13 @@ def opaque_call_counts() -> dict[str, int]:
     """How often each opaque op's body has run (``OpaqueOpInfo.eager_calls``), by name."""
     with _lock:
         return {name: info.eager_calls for name, info in _opaque_ops.items()}
+
+
+def check_fakes(names: Iterable[str]) -> None:
+    """Raise ``FakeMismatch`` for the first of the opaque ops ``names`` whose fake got its first eager call wrong."""
+    mismatches = [info.fake_mismatch for name in sorted(names) if (info := opaque_op_info(name)) and info.fake_mismatch]
+    if mismatches:
+        raise FakeMismatch(mismatches[0])
 
 
 def splitting_op_names() -> frozenset[str]:
@@ -167,8 +179,11 @@ def _register(
     info = OpaqueOpInfo(name=qualified, split=split, capturable=capturable)
 
     def body(*args, **kwargs):
-        info.eager_calls += 1  # only a counter: the runtime calls this between pieces on every step
-        return impl(*args, **kwargs)
+        info.eager_calls += 1  # only a counter and a compare: the runtime calls this between pieces on every step
+        result = impl(*args, **kwargs)
+        if info.eager_calls == 1:
+            info.fake_mismatch = fake_mismatch(qualified, op, args, kwargs, result)
+        return result
 
     info.impl = body
     body.__signature__ = inspect.signature(impl)  # custom_op infers the schema from this signature

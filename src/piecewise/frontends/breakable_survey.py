@@ -68,11 +68,14 @@ class Survey:
                 dims = _follow(x, y, a, b, f"output {index} of `{key[1]}` at {seen_a.where}") \
                     if isinstance(x, tuple) and isinstance(y, tuple) else []
                 if dims and dims != [0]:
+                    where = f"splitting op `{key[1]}` at {seen_a.where} returns output {index} of shape {x} for {a} tokens"
                     raise ForwardRefused(
-                        f"piecewise: splitting op `{key[1]}` at {seen_a.where} returns output {index} of shape {x} for "
-                        f"{a} tokens, with the tokens in dimension {dims[0]}, not 0; piecewise pads and cuts dimension "
-                        f"0: return it tokens-first (.transpose(0, {dims[0]}) inside the op, and back outside it)",
-                        "token_layout")
+                        f"piecewise: {where}, with the token count in dimensions {', '.join(map(str, dims))}; piecewise "
+                        f"pads and cuts dimension 0 only, so the others would keep the padded count: return one row "
+                        f"per token (compute what spans the tokens twice inside the op)" if dims[0] == 0 else
+                        f"piecewise: {where}, with the tokens in dimension {dims[0]}, not 0; piecewise pads and cuts "
+                        f"dimension 0: return it tokens-first (.transpose(0, {dims[0]}) inside the op, and back "
+                        f"outside it)", "token_layout")
                 outputs.append(bool(dims))
             self.roles[key] = Roles(tuple(inputs), tuple(counts), tuple(outputs), fixed=tuple(fixed))
         if len(out_a) == len(out_b):

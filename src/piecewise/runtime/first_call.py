@@ -19,7 +19,7 @@ from ..context import forward_context
 from ..errors import BlockerKind, CaptureFailed, CaptureOutOfMemory, ForwardRefused, VerificationError
 from ..frontends import make_frontend
 from ..frontends.dynamo_trace import DynamoBlocked
-from ..opaque import opaque_call_counts, resolve_splitting_ops
+from ..opaque import check_fakes, opaque_call_counts, resolve_splitting_ops
 from .bounds import drop_sizes_out_of_range
 from .capture_sizes import capture_all, out_of_memory
 from .checks import ModuleState, RandomState, check_one_token, check_padding, warn_changed_state
@@ -94,6 +94,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     with forward_context(tokens, tokens, rehearsal=True):
         core.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
     called = {name for name, count in opaque_call_counts().items() if count != counts.get(name, 0)}
+    check_fakes(called)  # before Dynamo traces with them
     module_state.changed()  # what the warm-up built on first use is the model's from now on
     core.stats.prewarm_seconds = time.perf_counter() - started
     devices = {t.device.type for t in model_tensors} | {arguments[n].device.type for n in core.arguments.dynamic}
