@@ -192,3 +192,10 @@ def test_a_fake_of_the_wrong_shape_is_named_in_one_line(command: str, capfd: pyt
         f"returned (4, 4) float32 on the same inputs (tensor inputs: (4, 8) float32). Dynamo traces the forward with "
         f"the fake's outputs, so the code after the op would be traced for the wrong shape: make the fake return the "
         f"real output's shape and dtype (e.g. x.new_empty(...) from its inputs)."]  # and no torch logging
+
+
+def test_a_kv_cache_too_short_is_one_line_naming_max_seq_len(capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", f"{CLI_TARGETS}:short_cache"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "piecewise run: position 7 is past the KV cache, whose max_seq_len is 4 (positions 0 to 3): make a longer "
+        "cache, make_kv_cache(max_seq_len=8) or more"]

@@ -776,3 +776,22 @@ def test_every_module_imports_when_it_is_the_first_of_the_package_imported():
                           env={**os.environ, "PYTHONPATH": src})
     assert done.returncode == 0, done.stderr
     assert "failed: []" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_kv_cache_too_short_for_the_positions_is_named_with_max_seq_len(frontend):
+    from piecewise.models.decode import DecodeLlama
+    from piecewise.models.llama import LlamaConfig
+
+    model, (ids, positions, _) = example(tokens=4, num_layers=1)
+    cache = model.make_kv_cache(max_seq_len=8)
+    assert cache.shape[2] == 8
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    runner(ids, positions, cache)
+    with pytest.raises(ValueError, match=re.escape(
+            "position 9 is past the KV cache, whose max_seq_len is 8 (positions 0 to 7): make a longer cache, "
+            "make_kv_cache(max_seq_len=10) or more")):
+        runner(ids, positions + 6, cache)  # a later call, replayed (pieces padded on the CPU)
+    decode = DecodeLlama(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=1, head_dim=8, intermediate_size=64))
+    with pytest.raises(ValueError, match=r"position 1024 is past the KV cache, whose max_seq_len is 16 "):
+        decode(torch.tensor([1, 2]), torch.tensor([3, 1024]), decode.make_kv_cache(2, max_seq_len=16))

@@ -7,6 +7,9 @@ captured pieces and sees only the real tokens; on CUDA, up to 512 tokens attend 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from ..context import redirect_padding
@@ -24,6 +27,22 @@ def within_kernel(ctx) -> bool:
     return ctx.padded_tokens <= KERNEL_TOKENS
 
 
+@contextlib.contextmanager
+def cache_overflow_named(positions: torch.Tensor, max_seq_len: int) -> Iterator[None]:
+    """A write past the KV cache (an ``IndexError`` on CPU) named as the cache being too short for the positions.
+    Free while they fit: the positions are read on the host only once the write has failed. On CUDA the write is a
+    device-side assert instead, which no host code can catch."""
+    try:
+        yield
+    except IndexError as exc:
+        last = int(positions.max())
+        if last < max_seq_len:
+            raise
+        raise ValueError(
+            f"piecewise: position {last} is past the KV cache, whose max_seq_len is {max_seq_len} (positions 0 to "
+            f"{max_seq_len - 1}): make a longer cache, make_kv_cache(max_seq_len={last + 1}) or more") from exc
+
+
 @opaque_op("piecewise_examples::attention", fake=attention_fake, mutates_args=("kv_cache",), split=True,
            capturable=within_kernel)
 def attention(
@@ -34,6 +53,7 @@ def attention(
     1/√D; ``window`` (sliding window) and ``softcap`` as in ``kernels.attention.attend_over_cache``."""
     cache = kv_cache[layer]
     at, k_in, v_in = redirect_padding(positions, k, v)  # in a full graph: pad rows repeat the first row's write
-    cache[0].index_copy_(0, at, k_in)
-    cache[1].index_copy_(0, at, v_in)
+    with cache_overflow_named(positions, cache.shape[1]):
+        cache[0].index_copy_(0, at, k_in)
+        cache[1].index_copy_(0, at, v_in)
     return attend(q, cache[0], cache[1], positions, scale, window=window, softcap=softcap).reshape(q.shape[0], -1)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..context import redirect_padding
 from ..opaque import opaque_op
-from .attention import attention_fake
+from .attention import attention_fake, cache_overflow_named
 from .llama import LlamaConfig, TinyLlama
 
 
@@ -25,8 +25,9 @@ def decode_attention(
                          f"full graph the padded batch must fit too: CaptureConfig(max_decode_batch=...) at most that")
     cache = kv_cache[layer, :, :batch]  # [2, B, Hkv, S, D]
     rows, at, k_in, v_in = redirect_padding(torch.arange(batch, device=q.device), positions, k, v)
-    cache[0][rows, :, at] = k_in
-    cache[1][rows, :, at] = v_in
+    with cache_overflow_named(positions, cache.shape[3]):
+        cache[0][rows, :, at] = k_in
+        cache[1][rows, :, at] = v_in
     # GQA without expanding K/V: the group's query heads become the query length of one KV head.
     query = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(query, cache[0], cache[1])
@@ -45,11 +46,12 @@ class DecodeLlama(TinyLlama):
     def __init__(self, config: LlamaConfig = L16):
         super().__init__(config, attend=decode_attention)
 
-    def make_kv_cache(self, batch: int, device=None, dtype=None) -> torch.Tensor:
+    def make_kv_cache(self, batch: int, device=None, dtype=None, max_seq_len: int | None = None) -> torch.Tensor:
+        """[layers, 2, batch, kv heads, max_seq_len (default: the config's), head dim]."""
         c = self.config
         weight = self.lm_head.weight
         return torch.zeros(
-            (c.num_layers, 2, batch, c.num_kv_heads, c.max_seq_len, c.head_dim),
+            (c.num_layers, 2, batch, c.num_kv_heads, max_seq_len or c.max_seq_len, c.head_dim),
             device=device or weight.device,
             dtype=dtype or weight.dtype,
         )

@@ -104,11 +104,12 @@ class TinyLlama(nn.Module):
         """Decoder layer ``index`` (subclasses pick other layers)."""
         return DecoderLayer(config, index, attend)
 
-    def make_kv_cache(self, device=None, dtype=None) -> torch.Tensor:
+    def make_kv_cache(self, device=None, dtype=None, max_seq_len: int | None = None) -> torch.Tensor:
+        """[layers, 2, max_seq_len (default: the config's), kv heads, head dim]: positions 0 to max_seq_len - 1."""
         c = self.config
         weight = self.lm_head.weight
         return torch.zeros(
-            (c.num_layers, 2, c.max_seq_len, c.num_kv_heads, c.head_dim),
+            (c.num_layers, 2, max_seq_len or c.max_seq_len, c.num_kv_heads, c.head_dim),
             device=device or weight.device,
             dtype=dtype or weight.dtype,
         )
