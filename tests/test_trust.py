@@ -610,3 +610,18 @@ def test_a_branch_on_the_token_count_after_the_rope_tables_is_blamed_on_its_own_
             with pytest.raises(ForwardRefused, match=r"(if input_ids\.shape\[0\] > 5|x = x \* 1\.5)") as refused:
                 runner(ids, positions, cache.clone())
         assert "rotary" not in str(refused.value).split("piecewise:")[1].split(".")[0]
+
+
+def test_a_static_argument_of_another_dtype_is_named_as_such_not_as_moved_storage():
+    from piecewise.models import example
+
+    model, (ids, positions, cache) = example(tokens=5, num_layers=1)
+    runner = piecewise.compile(model, config("auto"))
+    runner(ids, positions, cache)
+    with pytest.raises(ValueError, match=r"static argument 'kv_cache' is not the tensor seen at capture \(it has dtype "
+                                         r"torch.float64 and had torch.float32: a converted copy is another tensor\)"):
+        runner(ids, positions, cache.double())
+    with pytest.raises(ValueError, match=r"\(it has device meta and had cpu: a converted copy is another tensor\)"):
+        runner(ids, positions, cache.to("meta"))
+    with pytest.raises(ValueError, match=r"\(its storage moved\)"):
+        runner(ids, positions, cache.clone())

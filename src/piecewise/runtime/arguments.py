@@ -155,11 +155,19 @@ class Arguments:
                 )
             if value.data_ptr() != pointer:
                 raise ValueError(
-                    f"piecewise: static argument {name!r} is not the tensor seen at capture (its storage moved). "
+                    f"piecewise: static argument {name!r} is not the tensor seen at capture ({self._moved(name, value)}). "
                     f"Captured graphs read static arguments in place: write new contents into the same tensor "
                     f"({name}.copy_(new)), mark it as a token argument with dynamic={{...}}, or compile again"
                     + self._batch_first_hint(name)
                 )
+
+    def _moved(self, name: str, value: torch.Tensor) -> str:
+        """How a static argument differs from the first call's: its dtype or device (a converted copy), else its
+        storage."""
+        first_dtype, first_device, _ = (self.first_signature or {}).get(name, (None, None, None))
+        changes = [f"has {what} {now} and had {then}" for what, now, then in (
+            ("dtype", value.dtype, first_dtype), ("device", value.device.type, first_device)) if then not in (None, now)]
+        return f"it {' and '.join(changes)}: a converted copy is another tensor" if changes else "its storage moved"
 
     def _batch_first_hint(self, name: str) -> str:
         """For a static argument that had one row per entry of dimension 1 of a token argument shaped [1, n] at the
