@@ -16,15 +16,14 @@
 for MoE models whose experts dispatch through transformers' experts interface (stacked ``gate_up_proj`` /
 ``down_proj``, SwiGLU) it keeps transformers' ``grouped_mm`` experts (static shapes, captured with the pieces)
 and replaces any other implementation by a ``"piecewise"`` one. Attention runs eagerly between pieces on the
-real tokens: causal over the tokens of the call without a KV cache, or, given one (``kv_cache``
-[layers, 2, max_seq_len, kv heads, head_dim], transformers' own Cache objects are not used), it writes the
-call's keys and values at ``position_ids`` and attends causally over the cache (``kernels.attention``), with
-the layer's sliding window and logit softcap where the model asks for them. With ``slots`` the tokens of many
-sequences share one call. Piecewise's experts run through ``piecewise.models.glm_moe.moe_experts``, also a
-splitting op (their loop over the experts that got tokens is data dependent), or, with NVFP4 weights, the
-grouped op captured in the pieces. ``TokenModel`` gives the model the token-major call piecewise pads:
-``input_ids`` and ``position_ids`` of shape [T]. ``quantize`` gives an enabled model NVFP4 weights (W4A16);
-``tensor_parallel`` shards it over a process group, routed experts included.
+real tokens: causal over the call's tokens without a KV cache, or, given one (``TokenModel.make_kv_cache``;
+transformers' own Cache objects are not used), it writes the call's keys and values at ``position_ids`` and
+attends causally over the cache (``kernels.attention``; MLA models over latent rows, ``integrations.mla``),
+with the layer's sliding window and logit softcap. With ``slots`` the tokens of many sequences share one call.
+Piecewise's experts run through ``models.glm_moe.moe_experts`` (a splitting op: the loop over the experts that
+got tokens is data dependent) or, with NVFP4 weights, the grouped op captured in the pieces. ``TokenModel`` gives
+the model the token-major call piecewise pads: ``input_ids`` and ``position_ids`` [T]. ``quantize`` gives an
+enabled model NVFP4 weights (W4A16); ``tensor_parallel`` shards it over a process group.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
 from ..parallel import reduce_partial
 from . import dsa, mla
+from . import kv_cache as cache_layout
 
 NAME = dsa.ATTENTION
 
@@ -233,10 +233,8 @@ def enable(model: nn.Module, *, experts: bool | None = None, latent_cache: bool 
     is replaced by piecewise's op (its eager loop branches on which experts got tokens, and under tracing
     transformers runs CUDA experts of other dtypes through a fallback that copies the offsets to the host).
 
-    ``latent_cache`` (default): MLA models (DeepSeek-V3 / V3.2, GLM-5, ...; ``integrations.mla.LATENT_CLASSES``)
-    cache one latent row per token and layer and attend by weight absorption; False keeps per-head keys and
-    values in the cache (2 · heads · head width values per token and layer: 57 times GLM-5's latent row), as
-    transformers 5.17 does, for comparison."""
+    ``latent_cache``: MLA models cache one latent row per token and layer (``integrations.mla``); False keeps
+    per-head keys and values (57 times the bytes for GLM-5), as transformers 5.17 does, for comparison."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -304,13 +302,11 @@ def _use_piecewise_experts(model: nn.Module) -> None:
 
 
 def quantize(model: nn.Module, *, grouped_experts: bool = True) -> list[str]:
-    """NVFP4 weights for an ``enable``d model, in place: every ``nn.Linear`` but the output head
-    (``quantize_linears``) and every stacked-experts module (``NVFP4Experts``, its bf16 ``gate_up_proj`` /
-    ``down_proj`` dropped; ``grouped_experts`` (default): the static-shape grouped op, captured with the
-    pieces; False: the per-expert loop as a splitting op). The experts switch to piecewise's experts op, the
-    only one that runs NVFP4 experts. Returns the qualified names converted."""
+    """NVFP4 weights for an ``enable``d model, in place: every ``nn.Linear`` but the output head (and MLA's
+    ``kv_b_proj`` over a latent cache, read as a weight) and every stacked-experts module (``NVFP4Experts``;
+    ``grouped_experts``: the grouped op, captured with the pieces; False: the per-expert loop as a splitting op),
+    which switch to piecewise's experts op, the only one that runs them. Returns the qualified names converted."""
     _use_piecewise_experts(model)
-    # kv_b_proj of a latent-cache model is read as a weight (absorbed into the query and the output): kept
     converted = quantize_linears(model, skip=("lm_head", "kv_b_proj") if mla.uses_latent_cache(model) else ("lm_head",))
     for name, module in model.named_modules():
         if _is_experts(module):
@@ -360,11 +356,9 @@ def tensor_parallel(model: nn.Module, group=None, *, capture_all_reduce: bool = 
 class TokenModel(nn.Module):
     """``forward(input_ids [T], position_ids [T], kv_cache=None, slots=None) → logits [T, vocab]``.
 
-    Without ``slots`` the tokens are one sequence (cache [layers, 2, max_seq, kv heads, head_dim], or none).
-    With ``slots`` [T] each token belongs to sequence ``slots[t]`` of a multi-sequence cache
-    [layers, 2, sequences, max_seq, kv heads, head_dim]: prefill several prompts and decode many sequences in
-    one call (a flattened batch, as serving engines run it). MLA models (``integrations.mla``) cache one latent
-    row per token and layer instead: [layers, (sequences,) max_seq, kv_lora_rank + qk_rope_head_dim]."""
+    Without ``slots`` the tokens are one sequence; with ``slots`` [T] token t belongs to sequence ``slots[t]`` of
+    a multi-sequence cache: prefill several prompts and decode many sequences in one call (a flattened batch, as
+    serving engines run it). ``make_kv_cache`` gives the cache its layout (MLA models: latent rows)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -373,8 +367,6 @@ class TokenModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None) -> torch.Tensor:
         extra = {} if kv_cache is None else {"piecewise_kv_cache": kv_cache, "piecewise_positions": position_ids}
-        if kv_cache is not None:
-            self._check_cache(kv_cache, slots)
         if slots is not None:
             if kv_cache is None:
                 raise ValueError("slots need a multi-sequence kv_cache: make_kv_cache(max_seq_len, sequences=N)")
@@ -385,6 +377,8 @@ class TokenModel(nn.Module):
                 raise ValueError("TokenModel got a KV cache, which transformers' own attention never reads: call "
                                  "piecewise.integrations.transformers.enable(model) before TokenModel(model)")
             return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
+        if kv_cache is not None:
+            cache_layout.check_cache(self.model, kv_cache, slots)
         call.clear()
         call.update(extra)
         try:
@@ -393,55 +387,13 @@ class TokenModel(nn.Module):
             call.clear()
         return out.logits[0]
 
-    def _check_cache(self, kv_cache: torch.Tensor, slots: torch.Tensor | None) -> None:
-        """Refuse a cache of another layout than ``make_kv_cache`` makes (a latent cache given to a per-head
-        model or the reverse; one sequence's cache with ``slots``, or the reverse)."""
-        latent = mla.uses_latent_cache(self.model)
-        want = (3 if latent else 5) + (slots is not None)
-        if kv_cache.dim() != want or (latent and kv_cache.shape[-1] != mla.latent_width(self.model.config)):
-            kind = "a latent cache [layers, (sequences,) max_seq, kv_lora_rank + qk_rope_head_dim]" if latent else \
-                "a cache [layers, 2, (sequences,) max_seq, kv heads, head_dim]"
-            if slots is not None:
-                raise ValueError(f"slots need a multi-sequence kv_cache ({kind}, with the sequences dimension), got "
-                                 f"{tuple(kv_cache.shape)}: make it with make_kv_cache(max_seq_len, sequences=N)")
-            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not what this model takes: {kind}, without the "
-                             f"sequences dimension. Make it with TokenModel(model).make_kv_cache(max_seq_len)")
-
     def kv_bytes_per_token(self, dtype=None) -> int:
         """Bytes of cache one token takes over all layers (``make_kv_cache``'s, indexer key caches included)."""
-        c = self.model.config
-        itemsize = (dtype or next(self.model.parameters()).dtype).itemsize
-        if mla.uses_latent_cache(self.model):
-            per_layer = mla.latent_width(c)
-        else:
-            per_layer = 2 * self._kv_heads() * self._head_dim()
-        index = sum(m.head_dim for m in dsa.indexers(self.model)) if dsa.is_indexed(c) else 0
-        return (c.num_hidden_layers * per_layer + index) * itemsize
-
-    def _head_dim(self) -> int:
-        c = self.model.config
-        if getattr(c, "kv_lora_rank", None):  # MLA: per-head keys (nope + rope) and values, one width for both
-            return max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
-        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-
-    def _kv_heads(self) -> int:
-        c = self.model.config
-        heads = c.num_attention_heads if getattr(c, "kv_lora_rank", None) else (
-            getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
-        return heads // getattr(self.model, "piecewise_world_size", 1)  # this rank's
+        return cache_layout.bytes_per_token(self.model, dtype)
 
     def make_kv_cache(self, max_seq_len: int, sequences: int | None = None, device=None, dtype=None) -> torch.Tensor:
         """A zeroed cache for ``forward``'s ``kv_cache``: [layers, 2, max_seq_len, kv heads, head_dim] for one
         sequence, or [layers, 2, sequences, max_seq_len, kv heads, head_dim] for ``slots``; for MLA models
         [layers, (sequences,) max_seq_len, kv_lora_rank + qk_rope_head_dim]. ``kv_bytes_per_token`` says what
         a token costs in it."""
-        c = self.model.config
-        weight = next(self.model.parameters())
-        device, dtype = device or weight.device, dtype or weight.dtype
-        if dsa.is_indexed(c):  # the indexer's key caches, beside this one: buffers of the indexers
-            dsa.make_index_caches(self.model, max_seq_len, sequences, device, dtype)
-        if mla.uses_latent_cache(self.model):
-            return mla.make_latent_cache(self.model, max_seq_len, sequences, device, dtype)
-        kv_heads, head_dim = self._kv_heads(), self._head_dim()
-        shape = (max_seq_len, kv_heads, head_dim) if sequences is None else (sequences, max_seq_len, kv_heads, head_dim)
-        return torch.zeros(c.num_hidden_layers, 2, *shape, device=device, dtype=dtype)
+        return cache_layout.make(self.model, max_seq_len, sequences, device, dtype)
