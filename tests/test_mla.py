@@ -210,3 +210,21 @@ def test_the_ops_fake_matches_what_it_returns_shapes_and_strides(tokens, sparse,
             torch.randint(0, 8, (tokens, 4), generator=g) if sparse else None,
             torch.randn(heads * (nope + v), latent, generator=g))
     torch.library.opcheck(mla.mla_attention, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("name", ["DeepseekV3", "GlmMoeDsa", "Qwen3"])
+def test_a_cache_too_short_for_the_positions_is_named_with_max_seq_len(name):
+    """Through ``TokenModel``: the latent cache, the indexer's key cache and the per-head cache (slots)."""
+    import test_dsa
+
+    if name == "Qwen3":
+        config = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        model = transformers.Qwen3ForCausalLM(config).eval()
+    else:
+        model = test_dsa.build(name) if name == "GlmMoeDsa" else build(name)
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=8, sequences=2)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"position 9 is past the KV cache, whose max_seq_len is 8 "
+                                                          r".*make_kv_cache\(max_seq_len=10\)"):
+        token_model(torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9]), cache, torch.tensor([0, 0, 1]))

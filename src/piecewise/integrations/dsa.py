@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context import context, redirect_padding
+from ..models.attention import cache_overflow_named
 from ..kernels import indexer as indexer_kernel
 from ..kernels.indexer import index_scores, index_scores_reference
 from ..opaque import opaque_op
@@ -62,7 +63,8 @@ def dsa_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, position
         cache = index_cache if slots is not None else index_cache.unsqueeze(0)  # [sequences, max_seq, D]
         rows = slots if slots is not None else torch.zeros_like(positions)
         rows, positions, k = redirect_padding(rows, positions, k)
-        cache[rows, positions] = k.to(cache.dtype)
+        with cache_overflow_named(positions, cache.shape[1]):
+            cache[rows, positions] = k.to(cache.dtype)
         key_positions = torch.arange(cache.shape[1], device=q.device)
     else:
         key_positions = _call_keys(positions)

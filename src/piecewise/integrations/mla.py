@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context import redirect_padding
+from ..models.attention import cache_overflow_named
 from ..opaque import opaque_op
 from .dsa import ATTENTION
 
@@ -96,7 +97,8 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tens
     layer_cache = cache[layer] if slots is not None else cache[layer].unsqueeze(0)  # [sequences, max_seq, R + P]
     rows = slots if slots is not None else torch.zeros_like(positions)
     rows, positions, latent, k_rope, q_nope, q_rope = redirect_padding(rows, positions, latent, k_rope, q_nope, q_rope)
-    layer_cache[rows, positions] = torch.cat([latent, k_rope], dim=-1).to(layer_cache.dtype)
+    with cache_overflow_named(positions, layer_cache.shape[1]):
+        layer_cache[rows, positions] = torch.cat([latent, k_rope], dim=-1).to(layer_cache.dtype)
     if tokens > UP_PROJECT_TOKENS and (indices is None or int(positions.max()) < indices.shape[1]):
         # dense, or sparse where no query has more earlier keys than picks: each query then picks them all
         return up_projected_attention(q_nope, q_rope, layer_cache, rows, positions, scale, w_uk, w_uv)

@@ -39,7 +39,7 @@ from ..context import redirect_padding
 from ..kernels.attention import attend, attend_over_cache
 from ..kernels.nvfp4 import quantize_linears
 from ..models.attention import attention as cached_attention
-from ..models.attention import within_kernel
+from ..models.attention import cache_overflow_named, within_kernel
 from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
 from ..parallel import reduce_partial
@@ -85,8 +85,8 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     (``kernels.attention.attend``); longer calls and CPU run one attention per sequence."""
     cache = kv_cache[layer]
     at_slots, at, k_in, v_in = redirect_padding(slots, positions, k, v)  # full graph: pads repeat row 0's write
-    cache[0][at_slots, at] = k_in
-    cache[1][at_slots, at] = v_in
+    with cache_overflow_named(positions, cache.shape[2]):
+        cache[0][at_slots, at], cache[1][at_slots, at] = k_in, v_in
     return attend(q, cache[0], cache[1], positions, scale, slots, window, softcap)
 
 
