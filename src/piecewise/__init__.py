@@ -28,6 +28,8 @@ _EXPORTS = {
     "wrap_opaque": "piecewise.opaque",
     "PiecewiseModel": "piecewise.runtime",
     "compile": "piecewise.runtime",
+    "generate": "piecewise.generation",
+    "generate_stream": "piecewise.generation",
 }
 
 __all__ = sorted([*_EXPORTS, "CaptureConfig", "ForwardContext", "context", "redirect_padding"])
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from .runtime.verify import VerifyReport
     from .opaque import opaque_op, wrap_opaque
     from .runtime import PiecewiseModel, compile
+    from .generation import generate, generate_stream
 
 
 def __getattr__(name: str) -> Any:

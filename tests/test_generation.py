@@ -1,0 +1,136 @@
+"""``piecewise.generate`` on CPU: greedy tokens equal transformers' ``generate`` for dense, sliding-window, MoE,
+MLA and DSA models, with prompts of different lengths, more prompts than slots (admitted as slots free), prompts
+longer than a prefill call, per-prompt limits and stop tokens; sampling is on the device, reproducible by seed,
+and top-k / top-p / temperature keep the tokens they should; streaming yields what ``generate`` returns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piecewise
+
+transformers = pytest.importorskip("transformers")
+from piecewise.generation import sample  # noqa: E402
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+             eos_token_id=255)
+MODELS = {
+    "Llama": {},
+    "Gemma2": dict(sliding_window=4),  # sliding window, logit softcap
+    "Qwen3Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "DeepseekV3": dict(num_key_value_heads=4, head_dim=None, n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                       qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "GlmMoeDsa": dict(num_key_value_heads=4, head_dim=None, n_routed_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                      qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=1, topk_group=1,
+                      index_n_heads=16, index_head_dim=16, index_topk=4),
+}
+
+
+def build(name: str, seed: int = 0):
+    config_class = getattr(transformers, f"{name}Config", None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    values = {k: v for k, v in {**SMALL, **MODELS[name]}.items() if v is not None}
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**values)).eval()
+    for module in model.modules():  # stacked experts are left uninitialised outside from_pretrained
+        for attr in ("gate_up_proj", "down_proj"):
+            weight = getattr(module, attr, None)
+            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 3:
+                torch.nn.init.normal_(weight, std=0.05)
+    return model
+
+
+def transformers_greedy(model, prompts, limits, eos):
+    out = []
+    with torch.no_grad():
+        for prompt, limit in zip(prompts, limits):
+            ids = model.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=limit, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            out.append(ids[0, len(prompt):])
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_tokens_equal_transformers_generate(name):
+    """Five prompts of 3..13 tokens through two slots, prefill calls of at most 8 tokens (the 13-token prompt
+    over two), one limit per prompt; the stop token is one the model emits early for one prompt (so that a
+    sequence ends before its limit and its slot is reused)."""
+    model = build(name)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 250, (n,), generator=generator) for n in (5, 13, 3, 9, 7)]
+    limits = [6, 4, 7, 5, 6]
+    free_run = transformers_greedy(model, prompts, limits, eos=None)
+    stop = int(free_run[2][2])  # prompt 2 stops at its third token, or earlier
+    expected = transformers_greedy(model, prompts, limits, eos=stop)
+    got = piecewise.generate(model, prompts, limits, max_batch=2, prefill_tokens=8, stop_tokens=[stop])
+    assert [g.tolist() for g in got] == [e.tolist() for e in expected]
+    assert len(got[2]) <= 3 and got[2][-1] == stop
+
+
+def test_the_models_eos_token_stops_by_default_and_streaming_yields_what_generate_returns():
+    model = build("Llama", seed=3)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 250, (n,), generator=generator) for n in (4, 6, 8)]
+    model.generation_config.eos_token_id = int(transformers_greedy(model, prompts[:1], [3], eos=None)[0][1])
+    got = piecewise.generate(model, prompts, 5)
+    assert got[0].tolist()[-1] == model.generation_config.eos_token_id and len(got[0]) == 2
+    streamed = [[] for _ in prompts]
+    for index, token in piecewise.generate_stream(model, prompts, 5):
+        streamed[index].append(token)
+    assert streamed == [g.tolist() for g in got]
+
+
+def test_sampling_is_reproducible_by_seed_and_differs_across_seeds():
+    model = build("Llama", seed=5)
+    prompts = [torch.arange(2, 8), torch.arange(10, 13)]
+    runs = [piecewise.generate(model, prompts, 8, temperature=1.5, seed=seed) for seed in (0, 0, 1)]
+    assert [r.tolist() for r in runs[0]] == [r.tolist() for r in runs[1]]
+    assert [r.tolist() for r in runs[0]] != [r.tolist() for r in runs[2]]
+
+
+def test_sample_keeps_the_tokens_top_k_and_top_p_allow_in_proportion():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample(logits[:3]), torch.zeros(3, dtype=torch.long))  # greedy
+    counts = torch.bincount(sample(logits, 1.0, generator=g), minlength=4) / 20000
+    torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015, rtol=0)
+    counts = torch.bincount(sample(logits, 1.0, top_k=2, generator=g), minlength=4) / 20000
+    torch.testing.assert_close(counts, torch.tensor([0.625, 0.375, 0, 0]), atol=0.015, rtol=0)
+    counts = torch.bincount(sample(logits, 1.0, top_p=0.7, generator=g), minlength=4) / 20000  # 0.5 + 0.3 reach it
+    torch.testing.assert_close(counts, torch.tensor([0.625, 0.375, 0, 0]), atol=0.015, rtol=0)
+    assert sample(logits[:100], 1.0, top_p=0.4, generator=g).eq(0).all()  # the most likely token alone reaches it
+    counts = torch.bincount(sample(logits, 0.5, generator=g), minlength=4) / 20000  # p² renormalised
+    want = torch.tensor([0.25, 0.09, 0.0225, 0.0025])
+    torch.testing.assert_close(counts, want / want.sum(), atol=0.015, rtol=0)
+
+
+def test_bad_requests_are_refused_with_what_to_give():
+    model = build("Llama")
+    with pytest.raises(ValueError, match=r"prompt 1 must be a non-empty 1-D tensor of token ids"):
+        piecewise.generate(model, [torch.arange(3), torch.arange(6).view(2, 3)], 4)
+    with pytest.raises(ValueError, match=r"max_new_tokens has 3 limits for 2 prompts"):
+        piecewise.generate(model, [torch.arange(3), torch.arange(4)], [1, 2, 3])
+    assert piecewise.generate(model, [torch.arange(3)], 0)[0].numel() == 0
+
+
+@pytest.mark.parametrize("name", ["Llama", "DeepseekV3"])
+def test_later_calls_reuse_the_runner_and_its_cache_until_they_need_a_longer_one(name):
+    from piecewise.generation import _RUNNERS
+
+    model = build(name, seed=6)
+    prompts = [torch.arange(2, 9), torch.arange(20, 24)]
+    longer = [torch.arange(2, 40)]
+    expected = transformers_greedy(model, longer, [5], eos=255)[0].tolist()  # before enable() swaps the attention
+    first = piecewise.generate(model, prompts, 4)
+    (runner_key, made), = _RUNNERS[model].items()
+    assert [g.tolist() for g in piecewise.generate(model, prompts[::-1], 3)] == [first[1].tolist()[:3],
+                                                                                first[0].tolist()[:3]]
+    assert _RUNNERS[model][runner_key] is made  # same runner, same cache
+    got = piecewise.generate(model, longer, 5)
+    assert _RUNNERS[model][runner_key] is not made  # a longer cache: a new runner over it
+    assert got[0].tolist() == expected
