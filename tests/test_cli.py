@@ -125,7 +125,7 @@ def test_a_target_file_imports_the_modules_beside_it(capsys: pytest.CaptureFixtu
     beside = os.path.join(HERE, "fixtures", "beside", "target.py")
     assert main(["doctor", f"{beside}:make"]) == 0, capsys.readouterr().err
     assert "capture-safe" in capsys.readouterr().out
-    assert os.path.dirname(beside) not in sys.path  # on the path while the file loads, not after
+    assert os.path.dirname(beside) not in sys.path  # on the path for the command, not after
 
 
 @pytest.mark.parametrize("command", ["run", "verify"])
