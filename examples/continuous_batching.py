@@ -7,7 +7,8 @@ flattened call per step, finished sequences' slots reused at once.
 
 ``generate`` is the whole scheduler (about thirty lines): the parts an engine adds (sampling, stop tokens,
 paged memory, chunked prefill) go around the same two calls, ``runner(prompt, positions, cache, slots)`` and
-``runner(last_tokens, positions, cache, slots)``.
+``runner(last_tokens, positions, cache, slots)``. ``piecewise.generate`` is the ready-made loop with those parts
+(prompts prefilled together in token-budgeted calls, sampling, stop tokens), paged memory aside.
 """
 
 from __future__ import annotations
