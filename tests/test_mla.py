@@ -228,3 +228,25 @@ def test_a_cache_too_short_for_the_positions_is_named_with_max_seq_len(name):
     with torch.no_grad(), pytest.raises(ValueError, match=r"position 9 is past the KV cache, whose max_seq_len is 8 "
                                                           r".*make_kv_cache\(max_seq_len=10\)"):
         token_model(torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9]), cache, torch.tensor([0, 0, 1]))
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+@pytest.mark.parametrize("name", ["DeepseekV3", "GlmMoeDsa"])
+def test_verify_passes_at_every_size_over_the_latent_cache(name, frontend):
+    """``runner.verify()`` (each captured size, one token below it, the smallest count padded to it; outputs and
+    the cache against eager) on a runner of one sequence's latent cache, the indexer's key cache beside it."""
+    import test_dsa
+
+    model = test_dsa.build(name) if name == "GlmMoeDsa" else build(name)
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=24)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+
+    def make_inputs(tokens):  # a call of ``tokens`` after a 6-token prompt's positions
+        return (torch.randint(0, 256, (tokens,)), torch.arange(6, 6 + tokens), cache)
+
+    with torch.no_grad():
+        runner(torch.randint(0, 256, (6,)), torch.arange(6), cache)
+        report = runner.verify(*make_inputs(3), make_inputs=make_inputs)
+    assert report.ok, report
+    assert runner.stats["frontend"] == frontend
