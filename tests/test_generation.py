@@ -134,3 +134,9 @@ def test_later_calls_reuse_the_runner_and_its_cache_until_they_need_a_longer_one
     got = piecewise.generate(model, longer, 5)
     assert _RUNNERS[model][runner_key] is not made  # a longer cache: a new runner over it
     assert got[0].tolist() == expected
+
+
+def test_generate_stream_refuses_a_bad_request_when_called_not_when_first_read():
+    model = build("Llama")
+    with pytest.raises(ValueError, match=r"max_new_tokens has 1 limits for 2 prompts"):
+        piecewise.generate_stream(model, [torch.arange(3), torch.arange(4)], [2])

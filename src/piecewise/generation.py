@@ -118,8 +118,12 @@ def generate_stream(model: nn.Module, prompts: Sequence[torch.Tensor], max_new_t
                              f"{getattr(prompt, 'shape', type(prompt).__name__)}")
     if max_batch < 1 or prefill_tokens < 1:
         raise ValueError(f"max_batch and prefill_tokens must be positive, got {max_batch} and {prefill_tokens}")
-    if not prompts:
-        return
+    return _stream(model, prompts, limits, temperature, top_k, top_p, seed, stop_tokens, max_batch, prefill_tokens,
+                   config) if prompts else iter(())
+
+
+def _stream(model, prompts, limits, temperature, top_k, top_p, seed, stop_tokens, max_batch, prefill_tokens,
+            config) -> Iterator[tuple[int, int]]:
     device = next(model.parameters()).device
     slots_count = min(max_batch, len(prompts))
     config = config or CaptureConfig(max_tokens=max(max_batch, 512))  # longer prefill calls run without graphs
@@ -130,7 +134,8 @@ def generate_stream(model: nn.Module, prompts: Sequence[torch.Tensor], max_new_t
     if temperature > 0:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed if seed is not None else torch.seed())
-    waiting = deque(_Sequence(i, p.to(device), limit) for i, (p, limit) in enumerate(zip(prompts, limits)) if limit > 0)
+    waiting = deque(_Sequence(i, p.to(device, torch.long), limit) for i, (p, limit) in enumerate(zip(prompts, limits))
+                    if limit > 0)
     free = list(range(slots_count - 1, -1, -1))
     running: list[_Sequence] = []
     with torch.inference_mode():
@@ -171,12 +176,8 @@ def _next_call(running: list[_Sequence], budget: int):
     if prefilling:
         return ids, positions, slots, rows
     device = running[0].prompt.device
-    for row, sequence in enumerate(running):
-        ids.append(torch.tensor([sequence.tokens[-1]], device=device))
-        positions.append(torch.tensor([sequence.position], device=device))
-        slots.append(torch.tensor([sequence.slot], device=device))
-        rows.append((row, sequence))
-    return ids, positions, slots, rows
+    columns = torch.tensor([[s.tokens[-1], s.position, s.slot] for s in running]).to(device)  # one host copy
+    return [columns[:, 0]], [columns[:, 1]], [columns[:, 2]], list(enumerate(running))
 
 
 def generate(model: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int | Sequence[int], *,
