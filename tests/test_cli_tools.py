@@ -78,3 +78,8 @@ def test_generate_prints_the_greedy_tokens_transformers_generates(checkpoint, ca
     assert json.loads(capsys.readouterr().out) == {"new_tokens": expected}
     assert main(["generate", checkpoint, "--random-weights"]) == 2
     assert "give at least one --prompt TEXT or --prompt-ids 1,2,3" in capsys.readouterr().err
+
+
+def test_bench_of_a_factory_without_an_inputs_function_says_what_to_write(capsys):
+    assert main(["bench", f"{TARGETS}:jit_model", "--tokens", "2,5"]) == 2
+    assert "--tokens needs jit_model_inputs(num_tokens) beside jit_model in the target's file" in capsys.readouterr().err

@@ -90,7 +90,9 @@ def run_bench(options: argparse.Namespace) -> int:
         model = target.model
         tokens = _sizes(options.tokens, "--tokens")
         if tokens and target.make_inputs is None:
-            raise UsageError(f"--tokens needs {options.target}_inputs(num_tokens) in the target's file")
+            factory = options.target.rpartition(":")[2]
+            raise UsageError(f"--tokens needs {factory}_inputs(num_tokens) beside {factory} in the target's file: it "
+                             f"returns the inputs of that many tokens")
         made = [(n, target.make_inputs(n)) for n in tokens] if tokens else [(None, (target.args, target.kwargs))]
         calls = []
         for n, inputs in made:
