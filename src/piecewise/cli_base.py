@@ -4,7 +4,6 @@ console, registering a subcommand."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import logging
 import os
@@ -57,14 +56,13 @@ def _module_name(path: str) -> str:
     return f"piecewise_target_{name}"
 
 
-def _folder_on_path(path: str) -> contextlib.nullcontext:
+def _folder_on_path(path: str) -> None:
     """The target file's folder first on the import path, as ``python path/to/file.py`` has it, for the rest of
     the command: the file may import the modules beside it, when it loads and later (a fix names them by the
     import the file wrote)."""
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    return contextlib.nullcontext()
 
 
 def _load_module(path: str) -> Any:
@@ -81,9 +79,9 @@ def _load_module(path: str) -> Any:
         raise UsageError(f"cannot load {path!r} as Python source; the target must be a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    _folder_on_path(path)
     try:
-        with _folder_on_path(path):
-            spec.loader.exec_module(module)
+        spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(name, None)
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -104,8 +102,7 @@ def load_target(target: str) -> Target:
     if not callable(factory):
         raise UsageError(f"{path}:{factory_name} is not a function (it is of type {type(factory).__name__})")
     try:
-        with _folder_on_path(path) if os.path.isfile(path) else contextlib.nullcontext():
-            result = factory()
+        result = factory()
     except Exception as exc:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         raise UsageError(f"{path}:{factory_name}() raised {detail}") from exc

@@ -44,11 +44,6 @@ def is_mla(config) -> bool:
     return bool(getattr(config, "kv_lora_rank", None))
 
 
-def latent_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's MLA attention modules that run over a latent cache."""
-    return [m for m in model.modules() if type(m).__name__ in LATENT_CLASSES and hasattr(m, "kv_b_proj")]
-
-
 def uses_latent_cache(model: nn.Module) -> bool:
     """True where ``enable`` gave every MLA attention module of ``model`` the latent path."""
     return bool(getattr(model, "_piecewise_latent", False))

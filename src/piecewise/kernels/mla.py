@@ -27,11 +27,12 @@ than by memory. A float32 cache takes 16 heads and 16 rows a step (shared memory
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
+
+from .attention import _multiprocessors
 
 try:
     import triton
@@ -216,11 +217,6 @@ if triton is not None:
 
 SPLIT_PICKS = 64
 """Fewest picks (or cache rows) per split of a (token, head block)'s keys."""
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def latent_splits(tokens: int, head_blocks: int, picks: int, device: torch.device) -> int:
