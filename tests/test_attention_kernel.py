@@ -87,13 +87,19 @@ KERNEL_CHECK = textwrap.dedent("""
     print("kernel matches")
 """)
 
-def test_kernel_under_the_triton_interpreter_matches_the_reference():
+def run_interpreted(check: str) -> None:
+    """Run the script ``check`` in a process under ``TRITON_INTERPRET=1`` (the tests' folder importable); it must
+    print "kernel matches"."""
     pytest.importorskip("triton")
     pytest.importorskip("numpy")  # the interpreter runs on NumPy
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([SRC, str(Path(__file__).parent)]))
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernel matches" in done.stdout
+
+
+def test_kernel_under_the_triton_interpreter_matches_the_reference():
+    run_interpreted(KERNEL_CHECK)
 
 
 def test_key_splits_only_for_few_tokens_over_a_long_cache(monkeypatch):

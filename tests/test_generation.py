@@ -12,6 +12,7 @@ import piecewise
 
 transformers = pytest.importorskip("transformers")
 from piecewise.generation import sample  # noqa: E402
+from test_transformers_zoo import init_stacked_experts  # noqa: E402
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -36,13 +37,7 @@ def build(name: str, seed: int = 0):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     values = {k: v for k, v in {**SMALL, **MODELS[name]}.items() if v is not None}
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config_class(**values)).eval()
-    for module in model.modules():  # stacked experts are left uninitialised outside from_pretrained
-        for attr in ("gate_up_proj", "down_proj"):
-            weight = getattr(module, attr, None)
-            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 3:
-                torch.nn.init.normal_(weight, std=0.05)
-    return model
+    return init_stacked_experts(transformers.AutoModelForCausalLM.from_config(config_class(**values)).eval())
 
 
 def transformers_greedy(model, prompts, limits, eos):

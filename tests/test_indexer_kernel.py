@@ -1,18 +1,10 @@
 """The DSA indexer's scores over its key cache (``kernels.indexer``) on CPU: the reference against the sum written
 out per token, head and key; the Triton kernel under the interpreter against the reference."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
+from test_attention_kernel import run_interpreted
 
 from piecewise.kernels.indexer import index_scores_reference
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
 
 def case(seed: int = 0, dtype=torch.float32):
     """Three sequences of a 150-row cache; tokens at block edges (0, 63, 64, 149) and between them."""
@@ -55,9 +47,4 @@ print("kernel matches")
 
 
 def test_kernel_under_the_triton_interpreter_matches_the_reference():
-    pytest.importorskip("triton")
-    pytest.importorskip("numpy")  # the interpreter runs on NumPy
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([SRC, str(Path(__file__).parent)]))
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "kernel matches" in done.stdout
+    run_interpreted(KERNEL_CHECK)

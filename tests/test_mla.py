@@ -15,6 +15,7 @@ import piecewise
 transformers = pytest.importorskip("transformers")
 from piecewise.integrations import mla  # noqa: E402
 from piecewise.integrations.transformers import TokenModel, enable  # noqa: E402
+from test_transformers_zoo import init_stacked_experts  # noqa: E402
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
@@ -31,13 +32,7 @@ def build(name: str, seed: int = 0, **changes):
     known = config_class().to_dict()
     values = {k: v for k, v in {**SMALL, **changes}.items() if k in known}
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{name}ForCausalLM")(config_class(**values)).eval()
-    for module in model.modules():  # stacked experts are left uninitialised outside from_pretrained
-        for attr in ("gate_up_proj", "down_proj"):
-            weight = getattr(module, attr, None)
-            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 3:
-                torch.nn.init.normal_(weight, std=0.05)
-    return model
+    return init_stacked_experts(getattr(transformers, f"{name}ForCausalLM")(config_class(**values)).eval())
 
 
 def run_steps(runner, sequences: list[torch.Tensor], cache: torch.Tensor, prompt: int) -> list[torch.Tensor]:

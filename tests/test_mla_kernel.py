@@ -2,19 +2,12 @@
 token and head in float64, dense and over picks; the Triton kernel under the interpreter against the reference;
 its sm_90 build."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
-
 import pytest
 import torch
+from test_attention_kernel import run_interpreted
 
 from piecewise.kernels.mla import attend_latent, latent_attention_reference
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
 
 def per_token(q_latent, q_rope, cache, slots, positions, scale, indices=None):
     """Each head of each token over its visible rows (picked, 0 ≤ j ≤ position, j < max_seq), in float64, with an
@@ -125,12 +118,7 @@ KERNEL_CHECK = textwrap.dedent("""
 
 
 def test_kernel_under_the_triton_interpreter_matches_the_reference():
-    pytest.importorskip("triton")
-    pytest.importorskip("numpy")  # the interpreter runs on NumPy
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([SRC, str(Path(__file__).parent)]))
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "kernel matches" in done.stdout
+    run_interpreted(KERNEL_CHECK)
 
 
 def test_splits_fill_one_wave_of_multiprocessors(monkeypatch):

@@ -82,10 +82,15 @@ def build(name: str):
         pytest.skip(f"this transformers has no {config_name}")
     values = {key: value for key, value in {**SMALL, **extra}.items() if value is not None}
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config_class(**values)).eval()
-    for module in model.modules():  # stacked experts are left uninitialised outside from_pretrained
-        for name_ in ("gate_up_proj", "down_proj"):
-            weight = getattr(module, name_, None)
+    return init_stacked_experts(transformers.AutoModelForCausalLM.from_config(config_class(**values)).eval())
+
+
+def init_stacked_experts(model):
+    """``model`` with its stacked experts drawn from N(0, 0.05²): transformers leaves them uninitialised outside
+    ``from_pretrained``."""
+    for module in model.modules():
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(module, name, None)
             if isinstance(weight, torch.nn.Parameter) and weight.dim() == 3:
                 torch.nn.init.normal_(weight, std=0.05)
     return model
