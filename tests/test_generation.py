@@ -135,3 +135,24 @@ def test_generate_stream_refuses_a_bad_request_when_called_not_when_first_read()
     model = build("Llama")
     with pytest.raises(ValueError, match=r"max_new_tokens has 1 limits for 2 prompts"):
         piecewise.generate_stream(model, [torch.arange(3), torch.arange(4)], [2])
+
+
+@pytest.mark.parametrize("swap", ["copy_", ".data ="])
+def test_weights_changed_between_calls_are_used(swap):
+    """A weight sync between generations (RL rollouts): written in place, the same runner reads the new values;
+    replaced (``.data =``), generate compiles a new runner instead of the kept one refusing. Greedy tokens equal
+    transformers' with the new weights either way."""
+    model, twin = build("Llama", seed=7), build("Llama", seed=7)
+    prompts = [torch.arange(2, 9), torch.arange(20, 24)]
+    new = torch.randn_like(model.model.embed_tokens.weight, generator=torch.Generator().manual_seed(8)) * 0.5
+    with torch.no_grad():
+        twin.model.embed_tokens.weight.copy_(new)
+    expected = transformers_greedy(twin, prompts, [5, 5], eos=255)
+    piecewise.generate(model, prompts, 5)
+    with torch.no_grad():
+        if swap == "copy_":
+            model.model.embed_tokens.weight.copy_(new)
+        else:
+            model.model.embed_tokens.weight.data = new.clone()
+    got = piecewise.generate(model, prompts, 5)
+    assert [g.tolist() for g in got] == [e.tolist() for e in expected]

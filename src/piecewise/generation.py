@@ -56,6 +56,8 @@ def _runner(model: nn.Module, config: CaptureConfig, max_seq: int, sequences: in
     runners = _RUNNERS.setdefault(model, {})
     key = repr(config)
     made = runners.get(key)
+    if made is not None and not _weights_in_place(made[1]):  # `.data =`, .to(): the runner would refuse; a new one
+        made = None
     if made is not None:
         have_seq, have_sequences = _cache_size(model, made[2])
         if have_seq >= max_seq and have_sequences >= sequences:
@@ -68,6 +70,16 @@ def _runner(model: nn.Module, config: CaptureConfig, max_seq: int, sequences: in
                                       device=next(model.parameters()).device)
     runners[key] = (token_model, compile_model(token_model, config), cache)
     return runners[key]
+
+
+def _weights_in_place(runner) -> bool:
+    """Whether the model's parameters and buffers are where ``runner`` captured them (values written in place, as
+    a weight sync does with ``copy_``, keep them there)."""
+    try:
+        runner.watch.check()
+    except ValueError:
+        return False
+    return True
 
 
 def _cache_size(model: nn.Module, cache: torch.Tensor) -> tuple[int, int]:
