@@ -106,11 +106,6 @@ def test_auto_takes_dynamo_when_it_traces_the_forward_whole(attention):
     runner.stats.expect(frontend="dynamo", traces=1, graph_breaks=0)
 
 
-def test_breakable_needs_the_eager_compiler_and_says_which_fields():
-    with pytest.raises(ValueError, match=r"frontend='breakable'.*compiler must be 'eager'.*compiler='inductor'"):
-        piecewise.CaptureConfig(frontend="breakable", compiler="inductor")
-
-
 def test_breakable_refuses_a_state_update_from_its_own_value_with_the_line():
     runner = piecewise.compile(state_models.StepCounter(), piecewise.CaptureConfig(max_tokens=4, frontend="breakable"))
     with torch.no_grad(), pytest.raises(ValueError, match=r"(?s)`add_` at .*state_models.py:\d+.*self.steps \+= 1.*"

@@ -62,11 +62,13 @@ class CaptureConfig:
 
     frontend: str = "auto"
     """How the forward is turned into pieces. ``"dynamo"``: one Dynamo trace split into FX pieces at the splitting
-    ops (pieces can be compiled with Inductor). ``"breakable"``: no tracing; the forward's Python runs under
-    stream capture and each splitting op ends one graph and starts the next (cannot fail on Python Dynamo cannot
-    trace; pieces are not compiled). ``"auto"``: Dynamo when it traces the forward with no blocker, else
-    breakable, with one warning naming each blocker and the fix that would bring Dynamo back; breakable too when
-    the trace would pad one-token calls to 2 and ``compiler`` is ``"eager"`` (the same pieces, fewer sizes)."""
+    ops (pieces can be compiled with Inductor). ``"breakable"``: the forward's Python runs under stream capture and
+    each splitting op ends one graph and starts the next (cannot fail on Python Dynamo cannot trace); with
+    ``compiler="inductor"`` the forward runs through ``torch.compile`` with graph breaks allowed, each region
+    Dynamo traces compiled by Inductor, the rest run as written. ``"auto"``: Dynamo when it traces the forward with
+    no blocker, else breakable (with Inductor regions when ``compiler="inductor"``), with one warning naming each
+    blocker and the fix that would bring Dynamo back; breakable too when the trace would pad one-token calls to 2
+    and ``compiler`` is ``"eager"`` (the same pieces, fewer sizes)."""
 
     max_padding_factor: float | None = None
     """Run a call without graphs when its capture size is more than this factor above its real token count
@@ -128,12 +130,6 @@ class CaptureConfig:
             raise ValueError(f"CaptureConfig.max_decode_batch must be None or a positive int, got {decode!r}")
         if self.frontend not in FRONTENDS:
             raise ValueError(f"CaptureConfig.frontend must be one of {FRONTENDS}, got {self.frontend!r}")
-        if self.frontend == "breakable" and self.compiler != "eager":
-            raise ValueError(
-                f"CaptureConfig.frontend='breakable' runs the model's own Python under capture and compiles nothing, "
-                f"so CaptureConfig.compiler must be 'eager', got compiler={self.compiler!r}: use frontend='dynamo' "
-                f"(or 'auto') for {self.compiler!r} pieces"
-            )
         factor = self.max_padding_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1):
             raise ValueError(f"CaptureConfig.max_padding_factor must be None or a number >= 1, got {factor!r}")

@@ -50,6 +50,9 @@ class Stats(MutableMapping):
     direct_calls: int = 0
     """Calls that skipped Dynamo's frame hook (Dynamo front-end)."""
     graph_breaks: int = 0
+    compiled_regions: int = 0
+    """Regions of the forward Inductor compiled under the breakable front-end (``compiler="inductor"``): the code
+    between Dynamo's graph breaks; what lies outside them runs op by op while capturing."""
     graph_mode: str = ""
     """``"piecewise"``, ``"full"`` or ``"full_and_piecewise"`` (``CaptureConfig.graph_mode``, resolved)."""
     graph_mode_reason: str = ""

@@ -7,6 +7,10 @@ before anything is padded (which inputs, numbers and outputs carry the tokens, a
 first call prepares, each run's ops against the run before at the same size (a Python value that changes from run
 to run would be frozen) and at the next larger capture size (a path that depends on the token count). Python that
 Dynamo cannot trace (a JIT library's subprocess, a lock) simply runs: its kernels are recorded.
+
+With ``compiler="inductor"`` the forward runs through ``torch.compile`` (``breakable_regions``): each region Dynamo
+traces is compiled by Inductor around its splitting ops, and the interceptor cuts at the ops the compiled code
+calls. Each size then runs padded once before its capture, where Inductor's kernels compile and tune.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from .. import _compat
 from ..capture.splitcall import SplitCall
 from ..capture.state import Phase
 from ..errors import ForwardRefused
 from ..opaque import resolve_splitting_ops
 from .base import Parts, register
-from .breakable_interceptor import Interceptor, new_split_call
+from .breakable_interceptor import CompiledInterceptor, Interceptor, new_split_call
 from .breakable_reads import AttributeReads
+from .breakable_regions import Regions
 from .breakable_steps import Recording, note_output_dims, storage
 from .breakable_survey import Observed, OpLog, Survey
 
@@ -66,6 +72,20 @@ class BreakableFrontend:
         masks) takes another path under capture, rightly."""
         self.reads = AttributeReads(parts.model)
         self.graphs_allowed = True
+        self.regions: Regions | None = None
+        self.interceptor = Interceptor
+        if parts.config.compiler != "eager":
+            self.interceptor = CompiledInterceptor
+            self.regions = Regions(parts.model, parts.config.compiler, self.splitting, parts.ladder, parts.stats)
+            self.warms_every_size = True  # Inductor's kernels compile and tune on their first run, not under capture
+
+    def call_forward(self, arguments: dict[str, Any]) -> Any:
+        """The model's forward: as written, or through its compiled regions."""
+        # Patched attribute reads would break Dynamo's regions; under another dispatch mode (the index-bounds probe)
+        # Dynamo would run them eagerly and mark their frames to be skipped from then on.
+        if self.regions is None or self.reads.recording or _compat.dispatch_mode_skips_compile():
+            return self.model(**arguments)
+        return self.regions(arguments)
 
     def splitting_ops(self) -> frozenset[str]:
         return self.splitting
@@ -89,7 +109,7 @@ class BreakableFrontend:
         state = self.state
         call = state.call
         if call.phase is Phase.DIRECT:
-            return self.model(**arguments)
+            return self.call_forward(arguments)
         if call.phase is Phase.REPLAY:
             recording = self.recordings.get(call.size)
             if recording is not None:
@@ -108,7 +128,7 @@ class BreakableFrontend:
         log = self._log(call.size, capturing) if logged else None
         # The probe of index bounds (runtime.bounds) goes outside: its own reads are not the forward's ops.
         with state.bounds if call.checked else contextlib.nullcontext(), \
-                Interceptor(self, call.num_tokens, call.size, recording, log, self.surveying) as interceptor:
+                self.interceptor(self, call.num_tokens, call.size, recording, log, self.surveying) as interceptor:
             output = interceptor.forward(arguments)
         if log is not None:
             self._judge(log, call.size, capturing)

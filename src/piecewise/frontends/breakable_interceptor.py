@@ -30,6 +30,7 @@ from ..context import context, forward_context
 from ..errors import CaptureFailed, ForwardRefused, FullGraphRefused
 from ..graph.writes import ACCUMULATING_METHODS
 from ..opaque import captured_whole, opaque_op_info
+from .breakable_regions import inside_region
 from .breakable_steps import Recording, Step, storage, written_indices
 from .breakable_survey import Observed, OpLog, shapes
 from .user_frames import chain_text, user_chain
@@ -49,6 +50,8 @@ class Owner(Protocol):
     """Op overload → what the interceptor does with it (``_kind``), decided once per op."""
 
     def split_call(self, key: tuple, func: Any, call: Any, leaves: list, spec: Any, cut: bool) -> SplitCall: ...
+
+    def call_forward(self, arguments: dict[str, Any]) -> Any: ...
 
 # Ops that wait for the device (their result goes to the host). ``item`` is seen undecomposed on some torch
 # versions (2.11), ``_local_scalar_dense`` on others. Those of ``_SHAPE_FROM_DATA`` also size their output by the
@@ -87,7 +90,7 @@ class Interceptor(TorchDispatchMode):
     def forward(self, arguments: dict[str, Any]) -> Any:
         self._begin()
         try:
-            output = self.frontend.model(**arguments)
+            output = self.frontend.call_forward(arguments)
         except BaseException as exc:
             capturing = self.segment is not None
             self._abort()
@@ -161,7 +164,7 @@ class Interceptor(TorchDispatchMode):
         kind = self.kinds.get(func)
         if kind is None:
             kind = self.kinds[func] = _kind(func, self.frontend.splitting)
-        if self.log is not None:
+        if self.log is not None and not inside_region():
             self.log.add(func, args, kwargs)
         if kind is _PLAIN:  # most ops: nothing to decide
             return func(*args, **kwargs) if kwargs else func(*args)
@@ -279,6 +282,21 @@ class Interceptor(TorchDispatchMode):
         self.where = where
         self._begin()
         return staged
+
+
+class CompiledInterceptor(Interceptor):
+    """The interceptor over a forward with compiled regions: torch.compile'd code runs compiled under it (Dynamo
+    runs everything eagerly under a dispatch mode that does not ignore compiled internals), and it sees the ops
+    the compiled code calls through the dispatcher: splitting ops, cut writes, extern kernels."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    # Called from the forward's eager stretches, which run under torch.compile's frame callback: Dynamo would try
+    # to compile ``__torch_dispatch__`` itself, once per op. (A torch.compile'd function inside a splitting op sets
+    # its own frame callback and runs compiled.)
+    __torch_dispatch__ = torch.compiler.disable(Interceptor.__torch_dispatch__, recursive=True)
 
 
 def new_split_call(frontend: Owner, key: tuple, func, call, leaves: list, spec, cut: bool,

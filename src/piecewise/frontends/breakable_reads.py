@@ -49,11 +49,13 @@ class AttributeReads:
         self.reads: dict[tuple[int, str], tuple[Any, Any, tuple[str, int] | None]] = {}
         """(id of the module, attribute) → (the module, the value read, where)."""
         self.assigned: list[tuple[Any, str]] = []
+        self.recording = False
 
     def record(self, run: Callable[[], Any]) -> Any:
         """Run ``run()`` noting the reads, then start watching those attributes."""
         swapped = []
         _RECORDING.append({})
+        self.recording = True
         try:
             for module in self.model.modules():
                 cls = type(module)
@@ -66,6 +68,7 @@ class AttributeReads:
                 swapped.append((module, cls))
             return run()
         finally:
+            self.recording = False
             for module, cls in swapped:
                 module.__class__ = cls
             self.reads = _RECORDING.pop()

@@ -107,16 +107,7 @@ class DynamoFrontend:
         self._check_token_guards(example_inputs)
         token_inputs = [node for node in graph.graph.nodes
                         if node.op == "placeholder" and is_token_tensor(node.meta.get("example_value"))]
-        for writer, placeholder in writes_to_inputs(graph, token_inputs):
-            what = op_name(writer.target) or f".{writer.target}()"
-            raise ForwardRefused(
-                f"piecewise: {what} writes in place into {_compat.argument_source(placeholder)}, which piecewise "
-                f"takes for a token argument (its dimension 0 has the call's token count). Token arguments are "
-                f"copied into padded buffers on every call, so the write would be lost. If it is state kept "
-                f"across calls (a cache whose first dimension happens to equal the token count), compile with "
-                f"dynamic={{...}} naming only the real token arguments.",
-                "token_argument_write", node_stack(writer),
-            )
+        refuse_token_argument_writes(graph, token_inputs)
         _refuse_streams(graph)
         _refuse_host_values(graph)
         if self.tracer.graph_breaks:
@@ -196,6 +187,20 @@ class DynamoFrontend:
         nodes = [node for runner in self.graph_runners for piece in runner.pieces
                  for node in token_mixing_nodes(piece.graph_module)]
         return mixing_places(nodes)
+
+
+def refuse_token_argument_writes(graph: torch.fx.GraphModule, token_inputs: list) -> None:
+    """A traced in-place write into a token argument: lost, since token arguments are copied into padded buffers."""
+    for writer, placeholder in writes_to_inputs(graph, token_inputs):
+        what = op_name(writer.target) or f".{writer.target}()"
+        raise ForwardRefused(
+            f"piecewise: {what} writes in place into {_compat.argument_source(placeholder)}, which piecewise "
+            f"takes for a token argument (its dimension 0 has the call's token count). Token arguments are "
+            f"copied into padded buffers on every call, so the write would be lost. If it is state kept "
+            f"across calls (a cache whose first dimension happens to equal the token count), compile with "
+            f"dynamic={{...}} naming only the real token arguments.",
+            "token_argument_write", node_stack(writer),
+        )
 
 
 _STREAM_METHODS = frozenset({"wait_stream", "wait_event", "record_event", "record", "synchronize", "query"})

@@ -58,9 +58,16 @@ _AUTO = (Candidate("dynamo", {"on_blocker": "report"}, compiles=True), _BREAKABL
                                                       "region runs eagerly)", compiles=True))
 
 
+_BREAKABLE_REGIONS = Candidate("breakable", {}, "the breakable front-end with Inductor regions (CUDA graphs between "
+                                                "splitting ops; the code between Dynamo's graph breaks compiled, the "
+                                                "rest run as written)", compiles=True)
+
+
 def _candidates(core: Core) -> tuple[Candidate, ...]:
     choice, strict = core.config.frontend, core.config.strict
     if choice == "auto" and not strict:
+        if core.config.compiler != "eager":  # breakable keeps the fusion: it compiles the regions Dynamo traces
+            return (_AUTO[0], _BREAKABLE_REGIONS, _AUTO[2])
         return _AUTO
     if choice == "auto":
         return (Candidate("dynamo", {"on_blocker": "raise"}),)
@@ -145,6 +152,10 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
             core.state.preparing = False
     if core.config.frontend == "auto" and not core.config.strict:
         core.stats.frontend_reason = "; ".join(reasons) or "Dynamo traced the forward as one graph with no blocker"
+        if core.frontend.name == "breakable" and core.config.compiler != "eager":
+            core.stats.frontend_reason += (f"; breakable with Inductor regions (compiler={core.config.compiler!r}): "
+                                           f"{core.stats.compiled_regions} region(s) compiled between Dynamo's graph "
+                                           f"breaks, the rest run as written")
     if not use_graphs:
         reason = "disabled by CaptureConfig(cuda_graphs=False)" if not core.config.cuda_graphs else "no CUDA"
         logger.info("piecewise: pieces run without CUDA graphs (%s)", reason)
@@ -208,5 +219,5 @@ def _reset(core: Core) -> None:
     core.state.captured_this_size.clear()
     core.ladder.sizes[:] = core.config.sizes  # a size dropped for one front-end is served again
     core.ladder.notes.clear()
-    core.stats.update(traces=0, pieces=0, eager_writes=0, graph_breaks=0, captured_sizes=[], warmed_sizes=[],
-                      graphs=0)
+    core.stats.update(traces=0, pieces=0, eager_writes=0, graph_breaks=0, compiled_regions=0, captured_sizes=[],
+                      warmed_sizes=[], graphs=0)

@@ -1,0 +1,125 @@
+"""``CaptureConfig(frontend="breakable", compiler="inductor")`` on CPU: the forward's regions between Dynamo's
+graph breaks compiled by Inductor, the rest (a JIT library's subprocess under a lock) run as written, the
+interceptor cutting at the splitting ops the compiled code calls. Equal to eager (outputs and caches) within
+Inductor's float32 tolerance, at sizes 1..max+1, for each place of the JIT-style call, attention ops that write
+and that read a cache, and grad / no_grad / inference_mode."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+import piecewise
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
+import break_models as bm  # noqa: E402
+from test_breakable import GRAD_MODES, MAX_TOKENS  # noqa: E402
+
+INDUCTOR = piecewise.CaptureConfig(max_tokens=MAX_TOKENS, frontend="breakable", compiler="inductor")
+
+
+def run_sequence(model, runner, mode: str, offset: int = 3) -> None:
+    """Prefills of 1..MAX_TOKENS+1 tokens from ``offset``, each followed by a decode step, on fresh caches:
+    outputs and caches equal eager's (Inductor reorders float32 sums: its tolerance)."""
+    ours, theirs = model.make_cache(), model.make_cache()
+    with GRAD_MODES[mode]():
+        for tokens in range(1, MAX_TOKENS + 2):
+            ours.zero_(), theirs.zero_()
+            for positions in (torch.arange(tokens) + offset, torch.tensor([tokens + offset])):
+                ids = torch.randint(0, 64, positions.shape)
+                got = runner(ids, positions, ours)
+                with torch.no_grad():
+                    expected = model(ids, positions, theirs)
+                torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4,
+                                           msg=lambda m: f"{tokens} tokens, positions {positions}: {m}")
+                torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4,
+                                           msg=lambda m: f"cache after {tokens} tokens: {m}")
+
+
+@pytest.mark.parametrize(("jit_at", "attention", "mode"), [
+    ("norm", "writes_cache", "no_grad"), ("before_attention", "reads_cache", "inference_mode"),
+    ("after_residual", "no_cache", "grad"), ("mlp", "reads_cache", "no_grad"), (None, "writes_cache", "grad"),
+])
+def test_compiled_regions_equal_eager_with_a_jit_call_anywhere(jit_at, attention, mode):
+    model = bm.make(jit_at, attention)
+    runner = piecewise.compile(model, INDUCTOR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing to warn: Dynamo's own warnings stay off the terminal
+        run_sequence(model, runner, mode)
+    stats = runner.stats
+    stats.expect(frontend="breakable", traces=0, fallback_calls=1)
+    assert stats["compiled_regions"] >= 1
+    # a write into the cache in plain code (reads_cache) is cut out of the compiled region, to run on the real rows
+    assert (stats["eager_writes"] > 0) == (attention == "reads_cache")
+
+
+def test_compiled_regions_run_fused_kernels_not_the_ops(monkeypatch):
+    """The regions are compiled: the interceptor sees the splitting op calls but not the pointwise ops Inductor
+    fused (an uncompiled forward shows every one of them)."""
+    from piecewise.frontends import breakable_interceptor
+
+    seen: dict[str, list[str]] = {}
+    for compiler in ("eager", "inductor"):
+        model = bm.make("mlp", "writes_cache")
+        names = seen[compiler] = []
+        original = breakable_interceptor.Interceptor.__torch_dispatch__
+
+        def spy(self, func, types, args=(), kwargs=None, names=names, original=original):
+            names.append(func.overloadpacket.__name__)
+            return original(self, func, types, args, kwargs)
+
+        monkeypatch.setattr(breakable_interceptor.Interceptor, "__torch_dispatch__", spy)
+        if compiler == "inductor":
+            monkeypatch.setattr(breakable_interceptor.CompiledInterceptor, "__torch_dispatch__",
+                                torch.compiler.disable(spy, recursive=True))
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=4, frontend="breakable",
+                                                                  compiler=compiler))
+        cache = model.make_cache()
+        with torch.no_grad():
+            runner(torch.randint(0, 64, (3,)), torch.arange(3), cache)  # the first call also runs the model as written
+            names.clear()
+            runner(torch.randint(0, 64, (3,)), torch.arange(3) + 3, cache)  # on a CPU: the forward, no graphs
+        monkeypatch.undo()
+    for compiler, names in seen.items():
+        assert "attend_write" in names, (compiler, sorted(set(names)))
+    pointwise = {"rsqrt", "pow", "mean", "silu"}  # the norms' and the MLP's; the JIT call's own `mul` runs eagerly
+    assert pointwise <= set(seen["eager"]) and not pointwise & set(seen["inductor"]), seen
+
+
+def test_auto_with_inductor_takes_breakable_regions_when_dynamo_is_blocked_and_says_so():
+    model = bm.make("mlp", "writes_cache")
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX_TOKENS, compiler="inductor"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_sequence(model, runner, "no_grad")
+    ours = [str(w.message) for w in caught if "piecewise" in str(w.message)]
+    assert len(ours) == 1 and "breakable front-end with Inductor regions" in ours[0], ours
+    stats = runner.stats
+    stats.expect(frontend="breakable")
+    assert stats["frontend_reason"].startswith("Dynamo blocked")
+    assert "breakable with Inductor regions" in stats["frontend_reason"] and stats["compiled_regions"] >= 1
+
+
+class SizeBranch(torch.nn.Module):
+    """Another path above three tokens, in traceable code: capture sizes 1, 2, 4, 8 would pad 3 to 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)
+        if x.shape[0] > 3:
+            return y.relu()
+        return y.sigmoid()
+
+
+def test_a_token_branch_inside_a_compiled_region_is_refused_with_its_condition():
+    runner = piecewise.compile(SizeBranch(), INDUCTOR)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"(?s)depends on the token count.*3.*padded to 4") as info:
+        runner(torch.randn(5, 8))
+    assert info.value.kind == "token_branch"
