@@ -123,3 +123,29 @@ def test_a_token_branch_inside_a_compiled_region_is_refused_with_its_condition()
     with torch.no_grad(), pytest.raises(ValueError, match=r"(?s)depends on the token count.*3.*padded to 4") as info:
         runner(torch.randn(5, 8))
     assert info.value.kind == "token_branch"
+
+
+def test_a_transformers_llama_through_token_model_equals_its_own_forward():
+    transformers = pytest.importorskip("transformers")
+    from piecewise.integrations.transformers import TokenModel, enable
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 128, (3, 6))
+    with torch.no_grad():
+        reference = model(prompt).logits
+    token_model = TokenModel(enable(model))
+    runner = piecewise.compile(token_model, INDUCTOR)
+    cache = token_model.make_kv_cache(max_seq_len=16, sequences=3)
+    with torch.no_grad():
+        # prefill all three prompts but the last token in one call of 15 tokens (above the graphs: direct) ...
+        first = runner(prompt[:, :5].reshape(-1), torch.arange(5).repeat(3), cache,
+                       torch.arange(3).repeat_interleave(5))
+        # ... then their last tokens in one decode step of three (padded to 4)
+        step = runner(prompt[:, 5], torch.full((3,), 5), cache, torch.arange(3))
+    torch.testing.assert_close(first.view(3, 5, -1), reference[:, :5], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step, reference[:, 5], atol=1e-4, rtol=1e-4)
+    runner.stats.expect(frontend="breakable")
+    assert runner.stats["compiled_regions"] >= 1

@@ -26,6 +26,8 @@ MODES: dict[str, dict] = {
     "dynamo+inductor+full": dict(frontend="dynamo", compiler="inductor", graph_mode="full_and_piecewise"),
     "breakable": dict(frontend="breakable", graph_mode="piecewise"),
     "breakable+full": dict(frontend="breakable", graph_mode="full_and_piecewise"),
+    "breakable+inductor": dict(frontend="breakable", compiler="inductor", graph_mode="piecewise"),
+    "breakable+inductor+full": dict(frontend="breakable", compiler="inductor", graph_mode="full_and_piecewise"),
 }
 """The candidate modes, by the name the table shows (front-end, ``+inductor``: pieces compiled by Inductor,
 ``+full``: full graphs for decode): ``CaptureConfig`` fields each."""

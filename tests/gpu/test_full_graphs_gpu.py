@@ -22,8 +22,6 @@ def rel_error(out, ref):
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 @pytest.mark.parametrize("frontend", ["breakable", "dynamo"])
 def test_decode_batches_replay_full_graphs_and_prefills_between_them_run_piecewise(frontend, compiler):
-    if frontend == "breakable" and compiler == "inductor":
-        pytest.skip("the breakable front-end compiles nothing")
     torch.manual_seed(0)
     model = DecodeLlama(CONFIG).to("cuda", torch.bfloat16).eval()
     cache = torch.randn(CONFIG.num_layers, 2, 16, CONFIG.num_kv_heads, CONFIG.max_seq_len, CONFIG.head_dim,

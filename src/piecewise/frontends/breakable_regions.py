@@ -65,7 +65,8 @@ class Regions:
         _ACTIVE.append(self)
         try:
             with _compat.tracing_patches(), _quiet_dynamo(), torch._dynamo.config.patch(
-                    recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
+                    recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=4 * RECOMPILE_LIMIT,
+                    allow_unspec_int_on_nn_module=True):
                 return self.compiled(**arguments)
         except _compat.BackendCompilerFailed as exc:
             inner = getattr(exc, "inner_exception", None)
