@@ -63,13 +63,9 @@ def add_jit(layers, attr: str) -> None:
         setattr(layer, attr, Checked(getattr(layer, attr)))
 
 
-def remove_jit(layers, attr: str) -> None:
-    for layer in layers:
-        setattr(layer, attr, getattr(layer, attr).inner)
-
-
 def build(kind: str, tiny: bool, device: str, dtype: torch.dtype):
-    """(model to compile, its decode steps {B: args}, the layers and the attribute to put the JIT call on)."""
+    """(model to compile, its decode steps {B: args}, its layers (a function of the model) and the attribute to put
+    the JIT call on)."""
     torch.manual_seed(0)
     batches = (1, 3) if tiny else BATCHES
     if kind == "l16":
@@ -83,7 +79,7 @@ def build(kind: str, tiny: bool, device: str, dtype: torch.dtype):
         cache.normal_()
         steps = {b: (torch.randint(0, config.vocab_size, (b,), device=device),
                      torch.full((b,), config.max_seq_len - 1, device=device), cache) for b in batches}
-        return model, steps, model.layers, "post_norm"
+        return model, steps, lambda m: m.layers, "post_norm"
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from piecewise.bench import transformers_calls
@@ -97,7 +93,7 @@ def build(kind: str, tiny: bool, device: str, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     token_model = TokenModel(enable(model))
     calls = transformers_calls(token_model, list(batches), [], 24 if tiny else 512)
-    return token_model, {c.tokens: c.args for c in calls}, model.model.layers, "post_attention_layernorm"
+    return token_model, {c.tokens: c.args for c in calls}, lambda m: m.model.model.layers, "post_attention_layernorm"
 
 
 VARIANTS = (  # name, with the JIT call, CaptureConfig fields
@@ -118,16 +114,17 @@ def main() -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     kinds = ("l16", "hf") if args.model == "both" else (args.model,)
     for kind in kinds:
-        model, steps, layers, attr = build(kind, args.tiny, device, dtype)
+        model, steps, layers_of, attr = build(kind, args.tiny, device, dtype)
+        with_jit = build(kind, args.tiny, device, dtype)[0]  # the same weights (same seed), the JIT call added
+        with_jit.load_state_dict(model.state_dict())
+        add_jit(layers_of(with_jit), attr)
         batches = sorted(steps)
         top = max(batches)
         with torch.inference_mode():
             reference = {b: model(*steps[b]).float() for b in batches}  # the same numbers with or without the call
         rows, timed = {}, {}
         for name, jit, fields in VARIANTS:
-            if jit:
-                add_jit(layers, attr)
-            runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=top, **fields))
+            runner = piecewise.compile(with_jit if jit else model, piecewise.CaptureConfig(max_tokens=top, **fields))
             started = time.perf_counter()
             with torch.inference_mode():
                 runner(*steps[top])
@@ -143,8 +140,6 @@ def main() -> int:
             for b in batches:
                 timed[(name, b)] = lambda runner=runner, b=b: runner(*steps[b])
             print(json.dumps({name: rows[name]}), flush=True)
-            if jit:
-                remove_jit(layers, attr)  # the runner keeps what it captured; the next variant sees the plain model
         with torch.inference_mode():
             ms = round_robin_ms(timed) if device == "cuda" else {key: 0.0 for key in timed}  # a CPU: a dry run
         for (name, b), value in ms.items():

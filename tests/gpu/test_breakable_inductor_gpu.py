@@ -1,6 +1,7 @@
 """``frontend="breakable", compiler="inductor"`` on CUDA graphs: the compiled regions' kernels recorded into the
 segments, replayed, equal to eager (outputs and KV caches, Inductor's float32 tolerance) for each place a JIT-style
-call sits and each kind of splitting op; full graphs of the same; a transformers Llama through TokenModel."""
+call sits and each kind of splitting op; a transformers Llama through TokenModel with full graphs for decode
+(``test_full_graphs_gpu.py`` runs the decode model's full graphs with it too)."""
 
 import os
 import sys
@@ -22,13 +23,12 @@ def rel_error(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("graph_mode", ["piecewise", "full_and_piecewise"])
 @pytest.mark.parametrize("attention", bm.ATTENTION)
 @pytest.mark.parametrize("jit_at", bm.PLACES)
-def test_compiled_regions_replay_equal_to_eager(jit_at, attention, graph_mode):
+def test_compiled_regions_replay_equal_to_eager(jit_at, attention):
     model = bm.make(jit_at, attention, device="cuda")
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX_TOKENS, frontend="breakable",
-                                                              compiler="inductor", graph_mode=graph_mode))
+                                                              compiler="inductor"))
     ours, theirs = model.make_cache(), model.make_cache()
     with torch.inference_mode():
         for tokens in range(1, MAX_TOKENS + 2):
