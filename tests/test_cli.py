@@ -149,8 +149,9 @@ def test_run_takes_the_front_end(frontend: str, capsys: pytest.CaptureFixture) -
 
 
 def test_runner_options_the_config_refuses_are_usage_errors(capsys: pytest.CaptureFixture) -> None:
-    assert main(["verify", f"{CLI_TARGETS}:linear", "--frontend", "breakable", "--compiler", "inductor"]) == 2
-    assert "piecewise verify: error: " in capsys.readouterr().err
+    assert main(["verify", f"{CLI_TARGETS}:linear", "--max-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "piecewise verify: error: " in err and "max_tokens must be a positive int, got 0" in err
 
 
 def test_checkpoint_on_a_missing_folder_says_it_is_missing(capsys: pytest.CaptureFixture) -> None:

@@ -68,6 +68,16 @@ def test_jit_blocker_chain_runs_from_forward_to_the_subprocess_line(jit_report: 
     assert not any("torch" + os.sep in frame.file or frame.file.endswith("subprocess.py") for frame in chain)
 
 
+def test_a_blocked_model_is_told_how_many_regions_inductor_compiles_between_the_blockers(
+        jit_report: DoctorReport) -> None:
+    """Dynamo traces three regions around the JIT call's version check: the forward before the call, the library's
+    quantize arithmetic after its check, and the forward after the call. The breakable front-end compiles them with
+    compiler='inductor'; the blocker's card says what runs as written."""
+    assert jit_report.regions == 3
+    assert jit_report.to_dict()["regions"] == 3
+    assert "compiles the 3 region(s) Dynamo traces" in str(jit_report)
+
+
 def test_jit_fix_names_the_library_entry_point_and_wrap_opaque(jit_report: DoctorReport) -> None:
     blocker = jit_report.blockers[0]
     assert "piecewise.wrap_opaque(fakejit.fp4_quantize, fake=" in blocker.fix

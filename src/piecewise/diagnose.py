@@ -22,7 +22,14 @@ from rich.text import Text
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from piecewise.diagnostics.blockers import Blocker, _source_file, blockers_from_exception, find_blockers, remembered
+from piecewise.diagnostics.blockers import (
+    Blocker,
+    _source_file,
+    blockers_from_exception,
+    find_blockers,
+    remembered,
+    traced_regions,
+)
 from piecewise.diagnostics.classify import FIXES
 from piecewise.frontends.user_frames import chain_text, user_chain
 from piecewise.opaque import check_fakes, opaque_call_counts, opaque_op_info
@@ -46,6 +53,10 @@ class DoctorReport:
     """What stops the breakable front-end (its first call on the inputs), or None when it was not checked."""
     size_notes: list[str] = field(default_factory=list)
     """Sizes the Dynamo front-end's trace cannot serve ("calls of 1 token are padded to 2: ...")."""
+    regions: int | None = None
+    """Where Dynamo is blocked: the regions it traces between the blockers (``torch._dynamo.explain``'s graphs),
+    which ``frontend="breakable", compiler="inductor"`` compiles with Inductor while each blocker's code runs as
+    written; None where it was not counted."""
     auto: tuple[str | None, str] | None = None
     """What ``piecewise.compile(model)`` (``frontend="auto"``) did with these inputs: (the front-end it took, why),
     or (None, "") where it refused them; None where it was not run (Dynamo takes the forward whole)."""
@@ -97,6 +108,7 @@ class DoctorReport:
             "recommended": self.recommended[0],
             "size_notes": self.size_notes,
             "breakable_blockers": [b.to_dict() for b in self.breakable_blockers or []],
+            "regions": self.regions,
         }
 
     def to_json(self) -> str:
@@ -126,6 +138,10 @@ class DoctorReport:
                                + (f" -> use {choice}: {reason}" if choice else f": {reason}"), style="bold"))
         # Cards wrap at the console's width even where lines do not (a piped console): soft-wrapped, a card
         # would be cut at its border, and the fix with it.
+        if self.regions:
+            console.print(Text(f"fusion: with compiler='inductor' the breakable front-end compiles the {self.regions} "
+                               f"region(s) Dynamo traces between the blockers below; each blocker's code runs as "
+                               f"written (frontend='auto' takes it when compiler='inductor')"))
         for index, blocker in enumerate(self.blockers, start=1):
             console.print(_panel(index, blocker), soft_wrap=False)
         for warning in self.warnings:
@@ -214,6 +230,7 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
             ) from exc
         check_fakes(name for name, count in opaque_call_counts().items() if count != counts.get(name, 0))
         blockers = find_blockers(forward, args, kwargs)
+        regions = traced_regions(forward, args, kwargs) if blockers else None
         size_notes: list[str] = []
         trial = _trial_capture(model, args, kwargs, size_notes=size_notes) if isinstance(model, torch.nn.Module) \
             else None
@@ -237,7 +254,8 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
                 breakable = _trial_capture(model, args, kwargs, "breakable_trial")
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
                         first_call_checked=trial is not None, breakable_blockers=breakable,
-                        warnings=list(metadata.found.values()), size_notes=size_notes, auto=auto)
+                        warnings=list(metadata.found.values()), size_notes=size_notes, auto=auto,
+                        regions=regions if regions and breakable == [] else None)
 
 
 def _auto_trial(model: Any, args: tuple, kwargs: dict, dynamo_blocked: bool,

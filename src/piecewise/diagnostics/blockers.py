@@ -244,19 +244,31 @@ def find_blockers(fn: Callable, args: tuple = (), kwargs: dict | None = None) ->
     attribute (e.g. an unsupported context manager). ``fn`` runs (partly eagerly) during this. Like
     ``explain``, this resets Dynamo's compiled-frame caches: later ``torch.compile`` calls start afresh.
     """
+    return list(_find_memoised(fn, args, kwargs)[0])
+
+
+def traced_regions(fn: Callable, args: tuple = (), kwargs: dict | None = None) -> int | None:
+    """How many graphs Dynamo traced of ``fn(*args, **kwargs)`` with graph breaks allowed (the regions Inductor
+    compiles under ``frontend="breakable", compiler="inductor"``), or None where ``explain`` failed. Found with the
+    blockers (``find_blockers``), once while the doctor runs."""
+    return _find_memoised(fn, args, kwargs)[1]
+
+
+def _find_memoised(fn: Callable, args: tuple, kwargs: dict | None) -> tuple[list[Blocker], int | None]:
     kwargs = dict(kwargs or {})
     key = _memo_key(fn, args, kwargs) if _MEMO else None
     if key is not None and key in _MEMO[-1]:
-        return list(_MEMO[-1][key])
+        return _MEMO[-1][key]
     found = _find_blockers(fn, args, kwargs)
     if key is not None:
-        _MEMO[-1][key] = list(found)
+        _MEMO[-1][key] = found
     return found
 
 
-def _find_blockers(fn: Callable, args: tuple, kwargs: dict) -> list[Blocker]:
+def _find_blockers(fn: Callable, args: tuple, kwargs: dict) -> tuple[list[Blocker], int | None]:
     root_file = _source_file(fn)
     blockers: list[Blocker] = []
+    regions = None
     with _dynamo.quiet():
         try:
             result = _dynamo.explain(fn, args, kwargs)
@@ -264,10 +276,11 @@ def _find_blockers(fn: Callable, args: tuple, kwargs: dict) -> list[Blocker]:
             logger.debug("torch._dynamo.explain raised %s", type(exc).__name__, exc_info=True)
             blockers.extend(blockers_from_exception(exc, root_file=root_file))
         else:
+            regions = len(result.graphs)
             for entry in result.breaks:
                 blockers.append(_blocker(entry.reason, None, entry.stack, root_file))
             blockers.extend(_graph_blockers(result.graphs, root_file))
         error = _dynamo.fullgraph_error(fn, args, kwargs)
         if error is not None:
             blockers.extend(blockers_from_exception(error, root_file=root_file))
-    return _forward_order(_dedupe(blockers), root_file)
+    return _forward_order(_dedupe(blockers), root_file), regions
