@@ -149,3 +149,24 @@ def test_a_transformers_llama_through_token_model_equals_its_own_forward():
     torch.testing.assert_close(step, reference[:, 5], atol=1e-4, rtol=1e-4)
     runner.stats.expect(frontend="breakable")
     assert runner.stats["compiled_regions"] >= 1
+
+
+def test_a_region_compiled_for_a_runner_cut_at_other_ops_is_refused_not_run():
+    """Dynamo shares compiled frames between every torch.compile of one code object: a region cut at other
+    splitting ops (or compiled otherwise) must not run for this runner."""
+    from piecewise.capture.stats import Stats
+    from piecewise.frontends.breakable_regions import Region, Regions
+
+    class Ladder:
+        sizes = [1, 2, 4]
+
+    model = bm.make("mlp", "writes_cache")
+    ours = Regions(model, "inductor", frozenset({"break_models::attend_write"}), Ladder(), Stats())
+    theirs = Region(("inductor", frozenset()), lambda *args: args, [])
+    with pytest.raises(ValueError, match=r"(?s)another runner of the same model class.*splitting ops \[\].*"
+                                         r"splitting ops \['break_models::attend_write'\]") as info:
+        ours.adopt(theirs)
+    assert info.value.kind == "foreign_region"
+    same = Region(ours.key, lambda *args: args, [])
+    ours.adopt(same)  # cut at the same ops, compiled the same way: this runner's own
+    assert same in ours.used and ours.stats.compiled_regions == 1

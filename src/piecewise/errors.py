@@ -28,6 +28,7 @@ class BlockerKind(str, enum.Enum):
     TOKEN_LAYOUT = "token_layout"
     FROZEN_VALUE = "frozen_value"
     SIDE_STREAM = "side_stream"
+    FOREIGN_REGION = "foreign_region"
 
     def __str__(self) -> str:
         return self.value
