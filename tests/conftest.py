@@ -4,6 +4,10 @@ import os
 import pytest
 import torch
 
+# The persistent cache stays off unless a test gives a directory: an entry another test (or an earlier run) wrote
+# would change what a first call does (auto takes the recorded front-end directly, without its warning).
+os.environ.setdefault("PIECEWISE_CACHE_DIR", "off")
+
 GPU_TEST_SECONDS = int(os.environ.get("PIECEWISE_GPU_TEST_SECONDS", "300"))
 """A GPU test still running after this long prints every thread's stack and ends the run (a hang, e.g. a
 collective that never completes, would otherwise use up a whole device session)."""

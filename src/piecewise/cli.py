@@ -38,7 +38,7 @@ from .cli_base import (
     _subcommand,
     load_target,
 )
-from .cli_tools import add_bench, add_generate
+from .cli_tools import add_bench, add_cache, add_generate
 from .config import FRONTENDS
 
 
@@ -218,7 +218,7 @@ def run_verify(options: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_doctor, add_run, add_checkpoint, add_verify,
-                                                                  add_bench, add_generate]
+                                                                  add_bench, add_generate, add_cache]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -184,3 +184,44 @@ def run_generate(options: argparse.Namespace) -> int:
         for i, tokens in enumerate(out):
             print(f"[{i}] {tokenizer.decode(tokens)}")
     return EXIT_OK
+
+
+def add_cache(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subcommand(
+        subparsers, "cache", run_cache, "list or clear the persistent cache",
+        "The persistent cache (piecewise.cache): what a first call recorded per model (the front-end it took) and "
+        "Inductor's compiled artifacts. Its directory: --dir, else $PIECEWISE_CACHE_DIR, else ~/.cache/piecewise.")
+    parser.add_argument("action", nargs="?", default="list", choices=("list", "clear"))
+    parser.add_argument("--dir", default=None, help="the cache directory (default: as CaptureConfig's)")
+    parser.add_argument("--json", action="store_true", help="print the entries as JSON")
+
+
+def run_cache(options: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from . import cache
+
+    root = cache.resolve(options.dir if options.dir is not None else cache.DEFAULT)
+    if root is None:
+        raise UsageError(f"the cache is off (${cache.ENVIRONMENT}={os.environ.get(cache.ENVIRONMENT)!r}); "
+                         f"give --dir to look at a directory")
+    store = cache.Store(root)
+    if options.action == "clear":
+        removed = store.clear()
+        print(f"{root}: removed {removed} file(s)")
+        return EXIT_OK
+    entries = store.list()
+    if options.json:
+        print(json.dumps({"dir": str(root), "bytes": store.size_bytes(), "entries": entries}, indent=2))
+        return EXIT_OK
+    console = _console()
+    console.print(f"{root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
+                  f"{store.size_bytes() / 2**20:.1f} MiB with Inductor's artifacts")
+    if entries:
+        table = Table("model", "front-end", "graph mode", "first call s", "key")
+        for entry in entries:
+            first = entry["first_call_s"]
+            table.add_row(entry["model"], entry["frontend"], entry["graph_mode"],
+                          f"{first:.1f}" if isinstance(first, (int, float)) else "", entry["key"])
+        console.print(table)
+    return EXIT_OK

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 SIZE_SCHEDULES = ("vllm", "sglang")
@@ -102,6 +103,11 @@ class CaptureConfig:
     """Largest token count served by full graphs (sizes of the ladder up to it). None: the smaller of
     ``max_tokens`` and 256. A decode step of B sequences has B tokens."""
 
+    cache_dir: str | os.PathLike | None = "default"
+    """The persistent cache (``piecewise.cache``): a directory for what makes a later process's first call fast
+    (Inductor's compiled artifacts, the front-end the first call took). ``"default"``: ``$PIECEWISE_CACHE_DIR``
+    (``off`` turns it off), else ``~/.cache/piecewise``; None: off."""
+
     _sizes: list[int] = field(init=False, repr=False, compare=False)
     _top_given: bool = field(init=False, repr=False, compare=False, default=True)
 
@@ -130,6 +136,8 @@ class CaptureConfig:
             raise ValueError(f"CaptureConfig.max_decode_batch must be None or a positive int, got {decode!r}")
         if self.frontend not in FRONTENDS:
             raise ValueError(f"CaptureConfig.frontend must be one of {FRONTENDS}, got {self.frontend!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise ValueError(f"CaptureConfig.cache_dir must be a path, 'default' or None, got {self.cache_dir!r}")
         factor = self.max_padding_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1):
             raise ValueError(f"CaptureConfig.max_padding_factor must be None or a number >= 1, got {factor!r}")

@@ -50,6 +50,9 @@ class Stats(MutableMapping):
     direct_calls: int = 0
     """Calls that skipped Dynamo's frame hook (Dynamo front-end)."""
     graph_breaks: int = 0
+    cache: str = ""
+    """The persistent cache at the first call: ``"off"``, ``"miss"`` (an entry written after it), ``"hit"`` (the
+    front-end recorded there taken directly) or ``"hit, not taken: ..."``."""
     compiled_regions: int = 0
     """Regions of the forward Inductor compiled under the breakable front-end (``compiler="inductor"``): the code
     between Dynamo's graph breaks; what lies outside them runs op by op while capturing."""

@@ -91,6 +91,7 @@ def prepare(core: Core, arguments: dict[str, Any]) -> None:
 
 def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -> None:
     core.watch.start()
+    began = time.perf_counter()
     model_tensors = [*core.model.parameters(), *core.model.buffers()]
     static = core.arguments.record_first(arguments)
     core.state.stable_ptrs.update(t.data_ptr() for t in [*model_tensors, *static])
@@ -110,6 +111,9 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     device = arguments[next(iter(core.arguments.dynamic))].device
     core.full.resolve(called, resolve_splitting_ops(core.config.splitting_ops), device)
     candidates = _candidates(core)
+    store, key, described, recorded = _open_cache(core)
+    if recorded is not None:
+        candidates = (recorded, *(c for c in candidates if c != recorded))  # the others if it fails now
     reasons: list[str] = []
     refusals: list[Exception] = []
     for index, candidate in enumerate(candidates):
@@ -150,7 +154,9 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
             reasons.append(_reset_after(core, exc, candidate, candidates[index + 1]))
         finally:
             core.state.preparing = False
-    if core.config.frontend == "auto" and not core.config.strict:
+    if recorded is not None and core.frontend.name == recorded.name and not reasons:
+        core.stats.frontend_reason = f"{store.entry_reason} (recorded in the cache by an earlier first call)"
+    elif core.config.frontend == "auto" and not core.config.strict:
         core.stats.frontend_reason = "; ".join(reasons) or "Dynamo traced the forward as one graph with no blocker"
         if core.frontend.name == "breakable" and core.config.compiler != "eager":
             core.stats.frontend_reason += (f"; breakable with Inductor regions (compiler={core.config.compiler!r}): "
@@ -170,6 +176,37 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
         logger.info("piecewise: verified %d size(s) in %.2f s", len(sizes), core.stats.verify_seconds)
         if not report.ok:
             raise VerificationError(report)
+    if store is not None:
+        taken = next(c for c in candidates if c.name == core.frontend.name)
+        reason = store.entry_reason if recorded is taken else core.stats.frontend_reason
+        store.save(key, described, {"frontend": taken.name, "options": taken.options,
+                                    "graph_mode": core.stats.graph_mode, "frontend_reason": reason,
+                                    "first_call_s": time.perf_counter() - began})
+
+
+def _open_cache(core: Core):
+    """(the store, the model's key, what it hashes, the recorded candidate to try first) or Nones when off."""
+    from .. import cache
+
+    root = cache.resolve(core.config.cache_dir)
+    if root is None:
+        core.stats.cache = "off"
+        return None, None, None, None
+    cache.use_for_inductor(root)
+    store = cache.Store(root)
+    key, described = cache.key_of(core.model, core.config, list(core.arguments.dynamic))
+    entry = store.load(key)
+    core.stats.cache = "miss"
+    if entry is None or core.config.frontend != "auto" or core.config.strict:
+        return store, key, described, None
+    candidate = next((c for c in _candidates(core) if c.name == entry["frontend"] and
+                      c.options == entry.get("options", {})), None)
+    if candidate is None:
+        core.stats.cache = f"hit, not taken: {entry['frontend']} is not among this config's front-ends"
+        return store, key, described, None
+    core.stats.cache = "hit"
+    store.entry_reason = str(entry.get("frontend_reason") or entry["frontend"])
+    return store, key, described, candidate
 
 
 def _rehearse(core: Core, arguments: dict[str, Any], count: int) -> Any:
