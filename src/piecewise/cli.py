@@ -46,7 +46,8 @@ def _add_runner_options(parser: argparse.ArgumentParser) -> None:
     """The ``CaptureConfig`` fields of every command that builds a runner."""
     parser.add_argument("--max-tokens", type=int, default=64, help="largest captured token count (default 64)")
     parser.add_argument("--frontend", default="auto", choices=FRONTENDS, help="front-end (default auto)")
-    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"], help="piece compiler")
+    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor", "auto"],
+                        help="piece compiler (auto: the faster one, measured at the first call)")
     parser.add_argument("--strict", action="store_true", help="fail on anything Dynamo cannot trace")
 
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 SIZE_SCHEDULES = ("vllm", "sglang")
-COMPILERS = ("eager", "inductor")
+COMPILERS = ("eager", "inductor", "auto")
 FRONTENDS = ("auto", "dynamo", "breakable")
 VERIFY = ("off", "first_last", "all")
 GRAPH_MODES = ("piecewise", "full", "full_and_piecewise")
@@ -58,8 +58,14 @@ class CaptureConfig:
     None: every op registered with ``piecewise.opaque_op(..., split=True)``."""
 
     compiler: str = "eager"
-    """How each piece is compiled: ``"eager"`` (the FX graph as is) or ``"inductor"`` (once, for the symbolic
-    token dimension)."""
+    """How each piece is compiled: ``"eager"`` (the FX graph as is), ``"inductor"`` (once, for the symbolic
+    token dimension), or ``"auto"``: each of them tried at the first call and the faster taken, measured on CUDA
+    graphs at a few token counts within ``compile_budget_s`` (``runtime/search.py``; recorded in the persistent
+    cache, so a later process takes it without the search; eager without CUDA)."""
+
+    compile_budget_s: float = 120.0
+    """``compiler="auto"``: the first calls' seconds the search may spend; past them it takes the fastest
+    candidate measured so far."""
 
     frontend: str = "auto"
     """How the forward is turned into pieces. ``"dynamo"``: one Dynamo trace split into FX pieces at the splitting
@@ -138,6 +144,9 @@ class CaptureConfig:
             raise ValueError(f"CaptureConfig.frontend must be one of {FRONTENDS}, got {self.frontend!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ValueError(f"CaptureConfig.cache_dir must be a path, 'default' or None, got {self.cache_dir!r}")
+        budget = self.compile_budget_s
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+            raise ValueError(f"CaptureConfig.compile_budget_s must be a positive number of seconds, got {budget!r}")
         factor = self.max_padding_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1):
             raise ValueError(f"CaptureConfig.max_padding_factor must be None or a number >= 1, got {factor!r}")

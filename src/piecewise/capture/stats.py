@@ -50,6 +50,9 @@ class Stats(MutableMapping):
     direct_calls: int = 0
     """Calls that skipped Dynamo's frame hook (Dynamo front-end)."""
     graph_breaks: int = 0
+    candidates: list = field(default_factory=list)
+    """``compiler="auto"``: each candidate compiler's first-call seconds and ms per call at the sizes timed (or
+    the error that stopped it)."""
     cache: str = ""
     """The persistent cache at the first call: ``"off"``, ``"miss"`` (an entry written after it), ``"hit"`` (the
     front-end recorded there taken directly) or ``"hit, not taken: ..."``."""

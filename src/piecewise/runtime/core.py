@@ -48,6 +48,8 @@ class Core:
         self.frontend: Frontend | None = None
         """The front-end in use, chosen at the first call."""
         self.last_arguments: dict[str, Any] | None = None
+        self.timing = False
+        """Set while ``compiler="auto"`` times this runner: its calls are rehearsals (``runtime/search.py``)."""
 
     def parts(self) -> Parts:
         """What a front-end is given of this runtime."""
@@ -63,7 +65,7 @@ class Core:
         state.token_outputs.clear()
         try:
             with forward_context(call.num_tokens, call.size, capturing=call.phase is Phase.CAPTURE,
-                                 rehearsal=rehearsal, token_mask=token_mask):
+                                 rehearsal=rehearsal or self.timing, token_mask=token_mask):
                 output = self.frontend.run(arguments)
         finally:
             state.call = IDLE

@@ -18,7 +18,7 @@ from ..capture.segment import runner_call
 from ..capture.state import Call, Phase
 from ..config import CaptureConfig
 from ..opaque import resolve_splitting_ops
-from . import first_call
+from . import first_call, search
 from .core import Core
 from .verify import VerifyReport, verify
 
@@ -87,6 +87,9 @@ class PiecewiseModel(Core):
         return self.finish(output, tokens, size)
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
+        if self.config.compiler == "auto":  # each compiler's runner prepared and timed: the fastest's state is ours
+            search.choose(self, (), arguments)
+            return
         self._prepared = True
         try:
             first_call.prepare(self, arguments)

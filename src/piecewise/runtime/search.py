@@ -1,0 +1,135 @@
+"""``CaptureConfig(compiler="auto")``: the piece compiler chosen by measurement at the first call.
+
+Each candidate compiler (``eager``, then ``inductor``) gets a runner of its own on the same model, prepared on the
+first call's arguments (its front-end chosen as ``frontend`` says, its checks run, every size captured), then
+timed at a few representative token counts (1, 8, 32 and the top of the graphs, where captured) with calls made
+from the first call's rows. The calls are rehearsals (``piecewise.context().rehearsal``): splitting ops that keep
+state across calls skip them, and the rows they write are the first call's own. The fastest candidate's runner
+becomes this one; the others' graphs and pools are released. Candidates are tried in order while the first
+calls' seconds stay within ``compile_budget_s``; past it, the fastest of those measured is taken.
+
+The choice, with every candidate's times, goes into ``stats["frontend_reason"]`` and ``stats["candidates"]``, and
+into the persistent cache (``piecewise.cache``): a later process takes the recorded compiler without the search.
+Without CUDA graphs there is nothing to measure: ``eager`` is taken (same outputs, no compile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CANDIDATES = ("eager", "inductor")
+SIZES = (1, 8, 32)
+MEASURE_WITHOUT_CUDA = False
+"""Tests set it to run the search on a CPU (no graphs: the times mean nothing there)."""
+
+
+def choose(runner, args: tuple, kwargs: dict) -> None:
+    """Replace ``runner``'s state with that of the fastest candidate's prepared runner."""
+    from .. import cache
+    from .model import PiecewiseModel
+
+    config = runner.config
+    arguments = runner.arguments.bind(args, kwargs)
+    runner.arguments.token_count(arguments)
+    root = cache.resolve(config.cache_dir)
+    store = key = described = None
+    recorded = None
+    if root is not None:
+        store = cache.Store(root)
+        key, described = cache.key_of(runner.model, config, list(runner.arguments.dynamic))
+        entry = store.load(key)
+        recorded = entry.get("compiler") if entry is not None else None
+    devices = {t.device.type for t in runner.model.parameters()}
+    measure = (config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()) or MEASURE_WITHOUT_CUDA
+    if recorded in CANDIDATES:
+        order, why = (recorded,), "recorded in the cache by an earlier first call"
+    elif not measure:
+        order, why = ("eager",), "no CUDA graphs: nothing to measure, eager pieces compile nothing"
+    else:
+        order, why = CANDIDATES, ""
+    rows, spent = [], 0.0
+    for compiler in order:
+        if rows and spent > config.compile_budget_s:
+            why = f"compile budget {config.compile_budget_s:.0f} s spent after {', '.join(r['compiler'] for r in rows)}"
+            break
+        trial = PiecewiseModel(runner.model, dataclasses.replace(config, compiler=compiler),
+                               dict(runner.arguments.dynamic))
+        started = time.perf_counter()
+        try:
+            trial.capture(**arguments)
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot take the model is a row of the table
+            if compiler == order[-1] and not rows:
+                raise
+            rows.append({"compiler": compiler, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
+            continue
+        first = time.perf_counter() - started
+        spent += first
+        ms = _timed(trial, arguments) if len(order) > 1 else {}
+        rows.append({"compiler": compiler, "first_call_s": first, "ms": ms, "runner": trial})
+    measured = [r for r in rows if "runner" in r]
+    chosen = min(measured, key=lambda r: sum(r["ms"].values()) if r["ms"] else 0.0)
+    for row in measured:
+        if row is not chosen:
+            row["runner"].release_graphs()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    table = [{k: v for k, v in row.items() if k != "runner"} for row in rows]
+    if not why:
+        why = "measured: " + "; ".join(
+            f"{r['compiler']} " + (", ".join(f"{n}: {ms:.3f} ms" for n, ms in r["ms"].items()) if "ms" in r
+                                   else r["error"]) for r in rows) + f" -> {chosen['compiler']}"
+    trial = chosen["runner"]
+    runner.__dict__.update({k: v for k, v in trial.__dict__.items()})
+    runner.stats.candidates = table
+    runner.stats.frontend_reason = (runner.stats.frontend_reason + "; " if runner.stats.frontend_reason else "") + \
+        f"compiler {chosen['compiler']!r} ({why})"
+    logger.info("piecewise: compiler %r (%s)", chosen["compiler"], why)
+    if store is not None:
+        store.save(key, described, {"frontend": runner.stats.frontend, "options": {},
+                                    "compiler": chosen["compiler"], "candidates": table,
+                                    "graph_mode": runner.stats.graph_mode,
+                                    "frontend_reason": runner.stats.frontend_reason, "first_call_s": spent})
+
+
+def _timed(trial, arguments: dict[str, Any], rounds: int = 5, iters: int = 10) -> dict[int, float]:
+    """ms per call at each representative size the trial captured, calls made from the first call's rows."""
+    sizes = sorted({s for s in (*SIZES, trial.ladder.sizes[-1]) if s in trial.ladder.sizes})
+    tokens = arguments[next(iter(trial.arguments.dynamic))].shape[0]
+    given = trial.arguments.given_tokens(arguments)
+    times = {}
+    trial.timing = True
+    try:
+        for size in sizes:
+            if size <= tokens:
+                made = trial.arguments.leading(arguments, size)
+            else:  # the first rows repeated: the rows they write are the first call's own
+                repeat = -(-size // tokens)
+                made = {**arguments, **{n: arguments[n].repeat(repeat, *[1] * (arguments[n].dim() - 1))[:size]
+                                        for n in given}}
+            for _ in range(2):
+                trial._call((), made)
+            samples = []
+            for _ in range(rounds):
+                _sync()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    trial._call((), made)
+                _sync()
+                samples.append((time.perf_counter() - start) * 1e3 / iters)
+            times[size] = statistics.median(samples)
+    finally:
+        trial.timing = False
+    return times
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

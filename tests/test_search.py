@@ -1,0 +1,89 @@
+"""``CaptureConfig(compiler="auto")``: each candidate compiler's runner prepared and timed at the first call, the
+fastest taken; equal to eager; the timing calls are rehearsals (state kept across calls counts real calls only);
+the budget stops the search; the choice is recorded in the persistent cache and taken without a search later."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import piecewise
+from piecewise.runtime import search
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures"))
+import break_models as bm  # noqa: E402
+from fixtures import state_models  # noqa: E402
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """The search on a CPU (no graphs there: the times only exercise the choice)."""
+    monkeypatch.setattr(search, "MEASURE_WITHOUT_CUDA", True)
+
+
+def run(model, config, tokens=3):
+    runner = piecewise.compile(model, config)
+    ours, theirs = model.make_cache(), model.make_cache()
+    with torch.no_grad():
+        for n, offset in ((tokens, 0), (1, tokens), (5, tokens + 1)):
+            ids, positions = torch.arange(n) % 64, torch.arange(n) + offset
+            torch.testing.assert_close(runner(ids, positions, ours), model(ids, positions, theirs), atol=1e-4,
+                                       rtol=1e-4)
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    return runner
+
+
+def test_without_cuda_graphs_auto_takes_eager_pieces_without_compiling_inductor():
+    runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    assert [c["compiler"] for c in runner.stats["candidates"]] == ["eager"]
+    assert runner.config.compiler == "eager"
+    assert "compiler 'eager' (no CUDA graphs: nothing to measure" in runner.stats["frontend_reason"]
+
+
+def test_each_candidate_is_timed_and_the_fastest_taken(measured, monkeypatch):
+    times = {"eager": 2.0, "inductor": 1.0}
+    monkeypatch.setattr(search, "_timed", lambda trial, arguments: {1: times[trial.config.compiler]})
+    runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    table = runner.stats["candidates"]
+    assert [(c["compiler"], c["ms"]) for c in table] == [("eager", {1: 2.0}), ("inductor", {1: 1.0})]
+    assert all(c["first_call_s"] > 0 for c in table)
+    assert runner.config.compiler == "inductor" and runner.stats["frontend"] == "dynamo"
+    assert "measured: eager 1: 2.000 ms; inductor 1: 1.000 ms -> inductor" in runner.stats["frontend_reason"]
+
+
+def test_the_real_timing_calls_are_rehearsals_so_state_counts_real_calls_only(measured):
+    model = state_models.CallCounter()
+    counter = torch.zeros(())
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None),
+                               dynamic={"x": 0})
+    with torch.no_grad():
+        for step in range(1, 4):
+            runner(torch.randn(3, 8), counter)
+            assert counter.item() == step
+    assert {c["compiler"] for c in runner.stats["candidates"]} == {"eager", "inductor"}
+    assert all(c["ms"] for c in runner.stats["candidates"])
+
+
+def test_the_budget_stops_the_search_after_the_first_candidate(measured):
+    runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", compile_budget_s=1e-3,
+                                                         cache_dir=None))
+    assert [c["compiler"] for c in runner.stats["candidates"]] == ["eager"]
+    assert "compile budget 0 s spent after eager" in runner.stats["frontend_reason"]
+
+
+def test_the_choice_is_recorded_and_a_later_first_call_takes_it_without_a_search(measured, monkeypatch, tmp_path):
+    times = {"eager": 2.0, "inductor": 1.0}
+    monkeypatch.setattr(search, "_timed", lambda trial, arguments: {1: times[trial.config.compiler]})
+    config = piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=tmp_path)
+    run(bm.make(None), config)
+    later = run(bm.make(None), config)
+    assert [c["compiler"] for c in later.stats["candidates"]] == ["inductor"]
+    assert "compiler 'inductor' (recorded in the cache by an earlier first call)" in later.stats["frontend_reason"]
+
+
+def test_compile_budget_must_be_positive():
+    with pytest.raises(ValueError, match=r"compile_budget_s must be a positive number of seconds, got 0"):
+        piecewise.CaptureConfig(compile_budget_s=0)
