@@ -157,3 +157,21 @@ def test_attend_runs_the_reference_on_cpu_for_one_sequence_and_for_slots():
                                slot_attention_reference(q, cache_k, cache_v, slots, positions, scale))
     one = attend(q, cache_k[1], cache_v[1], positions, scale)
     torch.testing.assert_close(one, attend_over_cache(q, cache_k[1], cache_v[1], positions, scale).view(q.shape))
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("q_heads", [2, 8])
+def test_batched_slot_attention_equals_the_reference_for_interleaved_sequences(window, q_heads):
+    """A long prefill of several prompts runs as one SDPA (``slot_attention_batched``): sequences of different
+    lengths and starts, their tokens interleaved in the call, with and without grouped heads and a window."""
+    from piecewise.kernels.attention import slot_attention_batched
+
+    generator = torch.Generator().manual_seed(q_heads + window)
+    cache_k, cache_v = (torch.randn(5, 40, 2, 16, generator=generator) for _ in range(2))
+    slots = torch.cat([torch.full((7,), 3), torch.full((3,), 1), torch.full((20,), 4)])
+    positions = torch.cat([torch.arange(7), torch.arange(10, 13), torch.arange(20)])
+    order = torch.randperm(30, generator=generator)
+    slots, positions = slots[order], positions[order]
+    q = torch.randn(30, q_heads, 16, generator=generator)
+    torch.testing.assert_close(slot_attention_batched(q, cache_k, cache_v, slots, positions, 0.25, window),
+                               slot_attention_reference(q, cache_k, cache_v, slots, positions, 0.25, window))

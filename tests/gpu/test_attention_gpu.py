@@ -93,3 +93,20 @@ def test_sliding_windows_and_softcapping_match_the_reference(window, softcap, sp
                                         softcap)
     tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_prefill_of_many_prompts_runs_batched_and_equals_the_reference(dtype):
+    """Past KERNEL_TOKENS, ``attend`` runs one SDPA over every sequence of the call on CUDA."""
+    from piecewise.kernels.attention import KERNEL_TOKENS, attend, slot_attention_reference
+
+    torch.manual_seed(0)
+    lengths = [300, 200, 180]
+    cache_k, cache_v = (torch.randn(4, 512, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
+    slots = torch.cat([torch.full((n,), s, device="cuda") for s, n in zip((2, 0, 3), lengths)])
+    positions = torch.cat([torch.arange(n, device="cuda") + (5 if s == 0 else 0) for s, n in zip((2, 0, 3), lengths)])
+    q = torch.randn(sum(lengths), 8, 64, device="cuda", dtype=dtype)
+    assert q.shape[0] > KERNEL_TOKENS
+    out = attend(q, cache_k, cache_v, positions, 0.125, slots)
+    reference = slot_attention_reference(q.float(), cache_k.float(), cache_v.float(), slots, positions, 0.125)
+    torch.testing.assert_close(out.float(), reference, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)

@@ -70,6 +70,36 @@ def slot_attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: to
     return out
 
 
+def slot_attention_batched(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                           positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """``slot_attention_reference`` as one SDPA over every sequence of the call (long prefills of many prompts):
+    each sequence's queries padded to the longest, its keys the cache's rows up to the call's highest position;
+    one host read of the call's layout, where the reference reads it once per sequence → [T, Hq, D]."""
+    tokens, q_heads, head_dim = q.shape
+    ids, inverse, counts = torch.unique(slots, return_inverse=True, return_counts=True)
+    longest, highest = torch.stack([counts.max(), positions.max()]).tolist()
+    keys_len = highest + 1
+    order = torch.argsort(inverse, stable=True)  # tokens grouped by sequence, in call order within each
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(tokens, device=q.device) - starts[inverse[order]]  # each token's row in its sequence
+    batch = ids.numel()
+    query = q.new_zeros(batch, longest, q_heads, head_dim)
+    query[inverse, rank] = q
+    query_positions = positions.new_full((batch, longest), -1)
+    query_positions[inverse, rank] = positions
+    key_positions = torch.arange(keys_len, device=q.device)
+    visible = key_positions[None, None, :] <= query_positions[:, :, None]  # [B, L, K]
+    if window > 0:
+        visible &= key_positions[None, None, :] > query_positions[:, :, None] - window
+    visible |= (query_positions < 0)[:, :, None] & (key_positions == 0)  # padding rows see one key: no NaN
+    keys = cache_k[ids, :keys_len].transpose(1, 2)  # [B, Hkv, K, D]
+    values = cache_v[ids, :keys_len].transpose(1, 2)
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=visible[:, None],
+                                         scale=scale, enable_gqa=keys.shape[1] != q_heads)
+    return out.transpose(1, 2)[inverse, rank]
+
+
 if triton is not None:
 
     @triton.jit
@@ -238,4 +268,6 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positi
         return slot_attention(q, cache_k, cache_v, slots, positions, scale, window, softcap)
     if slots is None:
         return attend_over_cache(q, cache_k, cache_v, positions, scale, window, softcap).view(q.shape)
+    if q.is_cuda and softcap == 0:  # a long prefill of several prompts: one SDPA, not one per sequence
+        return slot_attention_batched(q, cache_k, cache_v, slots, positions, scale, window)
     return slot_attention_reference(q, cache_k, cache_v, slots, positions, scale, window, softcap)
