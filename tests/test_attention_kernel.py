@@ -175,3 +175,8 @@ def test_batched_slot_attention_equals_the_reference_for_interleaved_sequences(w
     q = torch.randn(30, q_heads, 16, generator=generator)
     torch.testing.assert_close(slot_attention_batched(q, cache_k, cache_v, slots, positions, 0.25, window),
                                slot_attention_reference(q, cache_k, cache_v, slots, positions, 0.25, window))
+    fresh = positions.clone()  # every sequence from position 0: the causal path without a mask
+    for slot in (3, 1, 4):
+        fresh[slots == slot] = torch.arange(int((slots == slot).sum()))
+    torch.testing.assert_close(slot_attention_batched(q, cache_k, cache_v, slots, fresh, 0.25, window),
+                               slot_attention_reference(q, cache_k, cache_v, slots, fresh, 0.25, window))

@@ -56,15 +56,16 @@ def test_transformers_llama_decode_and_prefill_with_compiled_regions_and_full_gr
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to("cuda").eval()
+    prompt = torch.randint(0, 256, (4, 12), device="cuda")
+    with torch.inference_mode():
+        reference = model(prompt).logits[:, -1]  # transformers' own attention, before enable() replaces it
     token_model = TokenModel(enable(model))
     runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16, frontend="breakable",
                                                                     compiler="inductor"))
     cache = token_model.make_kv_cache(max_seq_len=64, sequences=4, device="cuda")
-    prompt = torch.randint(0, 256, (4, 12), device="cuda")
     with torch.inference_mode():
         for s in range(4):  # prefill each sequence in its slot
             runner(prompt[s], torch.arange(12, device="cuda"), cache, torch.full((12,), s, device="cuda"))
-        reference = model(prompt).logits[:, -1]
         step = runner(prompt[:, -1], torch.full((4,), 11, device="cuda"), cache, torch.arange(4, device="cuda"))
     # the decode step re-writes position 11 of each slot: its logits are the prompt's last logits
     assert rel_error(step, reference) <= 1e-4
