@@ -170,3 +170,14 @@ def test_a_region_compiled_for_a_runner_cut_at_other_ops_is_refused_not_run():
     same = Region(ours.key, lambda *args: args, [])
     ours.adopt(same)  # cut at the same ops, compiled the same way: this runner's own
     assert same in ours.used and ours.stats.compiled_regions == 1
+
+
+def test_verify_passes_at_every_size_with_compiled_regions():
+    model = bm.make("after_residual", "reads_cache")
+    runner = piecewise.compile(model, INDUCTOR)
+    cache = model.make_cache()
+    with torch.no_grad():
+        runner(torch.randint(0, 64, (3,)), torch.arange(3), cache)
+    report = runner.verify()
+    assert report.ok, str(report)
+    assert [r.size for r in report.results] == runner.stats["capture_sizes"] and report.frontend == "breakable"
