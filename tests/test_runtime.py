@@ -732,6 +732,11 @@ def test_replacing_a_parameter_buffer_or_submodule_after_the_first_call_is_refus
 _IMPORT_EACH_FIRST = r"""
 import os, sys, traceback
 import torch
+for library in ("transformers", "triton", "rich", "numpy", "matplotlib.pyplot"):  # not piecewise's: loaded once
+    try:
+        __import__(library)
+    except ImportError:
+        pass
 root = os.path.join(sys.argv[1], "piecewise")
 names = sorted("piecewise." + os.path.relpath(os.path.join(d, f), root)[:-3].replace(os.sep, ".")
                for d, _, files in os.walk(root) for f in files if f.endswith(".py"))

@@ -44,19 +44,6 @@ def tracing_patches() -> Iterator[None]:
         yield
 
 
-def dispatch_mode_skips_compile() -> bool:
-    """Whether a ``TorchDispatchMode`` on the stack makes Dynamo run compiled functions eagerly (one that does not
-    ignore compiled internals). Dynamo then also marks each frame it meets to be skipped for good."""
-    from torch.utils._python_dispatch import _get_dispatch_stack_at
-
-    for index in range(torch._C._len_torch_dispatch_stack()):
-        mode = _get_dispatch_stack_at(index)
-        ignores = getattr(mode, "ignore_compile_internals", None)
-        if not (mode.is_infra_mode() if hasattr(mode, "is_infra_mode") else False) and not (ignores and ignores()):
-            return True
-    return False
-
-
 def mark_token_dim(tensor: torch.Tensor, dim: int) -> None:
     torch._dynamo.mark_dynamic(tensor, dim)
 

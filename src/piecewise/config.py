@@ -7,7 +7,10 @@ import os
 from dataclasses import dataclass, field
 
 SIZE_SCHEDULES = ("vllm", "sglang")
-COMPILERS = ("eager", "inductor", "auto")
+COMPILERS = ("eager", "inductor")
+"""The piece compilers (``capture/compilers.py`` holds one class per name)."""
+COMPILER_CHOICES = (*COMPILERS, "auto")
+"""``CaptureConfig.compiler``'s values: a piece compiler, or ``"auto"`` (``runtime/search.py``)."""
 FRONTENDS = ("auto", "dynamo", "breakable")
 VERIFY = ("off", "first_last", "all")
 GRAPH_MODES = ("piecewise", "full", "full_and_piecewise")
@@ -131,8 +134,8 @@ class CaptureConfig:
             raise ValueError(
                 f"CaptureConfig.size_schedule must be one of {SIZE_SCHEDULES}, got {self.size_schedule!r}"
             )
-        if self.compiler not in COMPILERS:
-            raise ValueError(f"CaptureConfig.compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        if self.compiler not in COMPILER_CHOICES:
+            raise ValueError(f"CaptureConfig.compiler must be one of {COMPILER_CHOICES}, got {self.compiler!r}")
         if self.verify not in VERIFY:
             raise ValueError(f"CaptureConfig.verify must be one of {VERIFY}, got {self.verify!r}")
         if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import _compat
 from ..capture.splitcall import SplitCall
 from ..capture.state import Phase
 from ..errors import ForwardRefused
@@ -31,7 +30,7 @@ from ..opaque import resolve_splitting_ops
 from .base import Parts, register
 from .breakable_interceptor import CompiledInterceptor, Interceptor, new_split_call
 from .breakable_reads import AttributeReads
-from .breakable_regions import Regions
+from .breakable_regions import Regions, dispatch_mode_skips_compile
 from .breakable_steps import Recording, note_output_dims, storage
 from .breakable_survey import Observed, OpLog, Survey
 
@@ -83,7 +82,7 @@ class BreakableFrontend:
         """The model's forward: as written, or through its compiled regions."""
         # Patched attribute reads would break Dynamo's regions; under another dispatch mode (the index-bounds probe)
         # Dynamo would run them eagerly and mark their frames to be skipped from then on.
-        if self.regions is None or self.reads.recording or _compat.dispatch_mode_skips_compile():
+        if self.regions is None or self.reads.recording or dispatch_mode_skips_compile():
             return self.model(**arguments)
         return self.regions(arguments)
 

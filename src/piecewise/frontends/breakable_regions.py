@@ -154,6 +154,19 @@ def _forget_compiled_layers(model: torch.nn.Module) -> None:
         reset_code(code)
 
 
+def dispatch_mode_skips_compile() -> bool:
+    """Whether a ``TorchDispatchMode`` on the stack makes Dynamo run compiled functions eagerly (one that does not
+    ignore compiled internals). Dynamo then also marks each frame it meets to be skipped for good."""
+    from torch.utils._python_dispatch import _get_dispatch_stack_at
+
+    for index in range(torch._C._len_torch_dispatch_stack()):
+        mode = _get_dispatch_stack_at(index)
+        ignores = getattr(mode, "ignore_compile_internals", None)
+        if not (mode.is_infra_mode() if hasattr(mode, "is_infra_mode") else False) and not (ignores and ignores()):
+            return True
+    return False
+
+
 _ACTIVE: list[Regions] = []
 """The runners whose forward is running (innermost last)."""
 

@@ -34,7 +34,6 @@ MEASURE_WITHOUT_CUDA = False
 def choose(runner, args: tuple, kwargs: dict) -> None:
     """Replace ``runner``'s state with that of the fastest candidate's prepared runner."""
     from .. import cache
-    from .model import PiecewiseModel
 
     config = runner.config
     arguments = runner.arguments.bind(args, kwargs)
@@ -60,8 +59,8 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
         if rows and spent > config.compile_budget_s:
             why = f"compile budget {config.compile_budget_s:.0f} s spent after {', '.join(r['compiler'] for r in rows)}"
             break
-        trial = PiecewiseModel(runner.model, dataclasses.replace(config, compiler=compiler),
-                               dict(runner.arguments.dynamic))
+        trial = type(runner)(runner.model, dataclasses.replace(config, compiler=compiler),
+                             dict(runner.arguments.dynamic))
         started = time.perf_counter()
         try:
             trial.capture(**arguments)
