@@ -181,3 +181,21 @@ def test_verify_passes_at_every_size_with_compiled_regions():
     report = runner.verify()
     assert report.ok, str(report)
     assert [r.size for r in report.results] == runner.stats["capture_sizes"] and report.frontend == "breakable"
+
+
+def test_a_gpt_fast_style_cache_assignment_in_plain_code_is_cut_out_of_the_region():
+    """``cache[positions] = k`` in traced code (gpt-fast's KVCache.update): Inductor would fuse the scatter, so the
+    region is cut there and the write runs op by op, on the real rows; equal to eager at 1..max+1 tokens."""
+    from fixtures import state_models
+
+    model = state_models.SetItemWriter()
+    runner = piecewise.compile(model, INDUCTOR)
+    ours, theirs = torch.zeros(16, 8), torch.zeros(16, 8)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tokens in (3, *range(1, MAX_TOKENS + 2)):
+            x = torch.randn(tokens, 8, generator=generator)
+            positions = torch.randperm(16, generator=generator)[:tokens]
+            torch.testing.assert_close(runner(x, positions, ours), model(x, positions, theirs), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ours, theirs, msg=f"{tokens} tokens: the cache")
+    assert runner.stats["eager_writes"] >= 1 and runner.stats["compiled_regions"] >= 1
