@@ -5,6 +5,8 @@ and top-k / top-p / temperature keep the tokens they should; streaming yields wh
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -156,3 +158,30 @@ def test_weights_changed_between_calls_are_used(swap):
             model.model.embed_tokens.weight.data = new.clone()
     got = piecewise.generate(model, prompts, 5)
     assert [g.tolist() for g in got] == [e.tolist() for e in expected]
+
+
+def test_long_prefills_take_the_output_head_on_their_last_rows_only_and_equal_transformers():
+    """Prompts past the top of the graphs prefill without them, with the output head on each prompt's last row
+    (``TokenModel(logits_rows=...)``): the tokens still equal transformers' generate."""
+    from piecewise.integrations.transformers import TokenModel
+
+    model = build("Llama")
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 250, (n,), generator=generator) for n in (13, 9, 11)]
+    expected = transformers_greedy(model, prompts, [5, 5, 5], eos=None)
+    calls = []
+    original = TokenModel.forward
+
+    @functools.wraps(original)  # the runner reads the forward's signature
+    def spy(self, *args, logits_rows=None, **kwargs):
+        if logits_rows is not None:  # only outside the runner: Dynamo never traces this line
+            calls.append(logits_rows.tolist())
+        return original(self, *args, logits_rows=logits_rows, **kwargs)
+
+    TokenModel.forward = spy
+    try:  # every prefill call (33 tokens) is longer than the top of the graphs (4)
+        got = piecewise.generate(model, prompts, 5, config=piecewise.CaptureConfig(max_tokens=4), stop_tokens=())
+    finally:
+        TokenModel.forward = original
+    assert [g.tolist() for g in got] == [e.tolist() for e in expected]
+    assert [12, 21, 32] in calls  # one prefill call of the three prompts: each prompt's last row

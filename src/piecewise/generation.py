@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .capture.segment import runner_call
 from .config import CaptureConfig
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -141,6 +142,7 @@ def _stream(model, prompts, limits, temperature, top_k, top_p, seed, stop_tokens
     config = config or CaptureConfig(max_tokens=max(max_batch, 512))  # longer prefill calls run without graphs
     max_seq = max(len(p) + limit for p, limit in zip(prompts, limits))
     token_model, runner, cache = _runner(model, config, max_seq, slots_count)
+    top = config.sizes[-1]  # the largest captured token count
     stops = _stop_tokens(model, stop_tokens)
     generator = None
     if temperature > 0:
@@ -157,9 +159,14 @@ def _stream(model, prompts, limits, temperature, top_k, top_p, seed, stop_tokens
                 sequence.slot = free.pop()
                 running.append(sequence)
             ids, positions, slots, rows = _next_call(running, prefill_tokens)
-            logits = runner(torch.cat(ids), torch.cat(positions), cache, torch.cat(slots))
+            ids, positions, slots = torch.cat(ids), torch.cat(positions), torch.cat(slots)
             last = [row for row, _ in rows]
-            tokens = sample(logits[last], temperature, top_k, top_p, generator).tolist()
+            if ids.shape[0] > top:  # a long prefill runs without graphs anyway: the output head on its last rows only
+                with runner_call(), runner.watch:  # as the runner's own call: what the forward assigns is its own
+                    logits = token_model(ids, positions, cache, slots, logits_rows=torch.tensor(last, device=device))
+            else:
+                logits = runner(ids, positions, cache, slots)[last]
+            tokens = sample(logits, temperature, top_k, top_p, generator).tolist()
             for (_, sequence), token in zip(rows, tokens):
                 sequence.tokens.append(token)
                 yield sequence.index, token

@@ -365,7 +365,11 @@ class TokenModel(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: torch.Tensor | None = None,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits_rows`` [R]: only those rows' logits → [R, vocab] (transformers' ``logits_to_keep``): a prefill
+        of many prompts needs one row per prompt, and the output head over every token is a quarter of a small
+        model's work. For calls outside a runner (its graphs are captured without it)."""
+        keep = {} if logits_rows is None else {"logits_to_keep": logits_rows}
         extra = {} if kv_cache is None else {"piecewise_kv_cache": kv_cache, "piecewise_positions": position_ids}
         if slots is not None:
             if kv_cache is None:
@@ -376,13 +380,14 @@ class TokenModel(nn.Module):
             if extra:  # transformers' own attention would never read the cache: decode steps would see one token
                 raise ValueError("TokenModel got a KV cache, which transformers' own attention never reads: call "
                                  "piecewise.integrations.transformers.enable(model) before TokenModel(model)")
-            return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
+            return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
+                              **keep).logits[0]
         if kv_cache is not None:
             cache_layout.check_cache(self.model, kv_cache, slots)
         call.clear()
         call.update(extra)
         try:
-            out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+            out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **keep)
         finally:
             call.clear()
         return out.logits[0]
