@@ -185,3 +185,21 @@ def test_long_prefills_take_the_output_head_on_their_last_rows_only_and_equal_tr
         TokenModel.forward = original
     assert [g.tolist() for g in got] == [e.tolist() for e in expected]
     assert [12, 21, 32] in calls  # one prefill call of the three prompts: each prompt's last row
+
+
+def test_disable_gives_transformers_its_own_attention_back_after_generate():
+    """``piecewise.generate`` enables the model; ``disable`` makes its own ``generate`` work again (before it,
+    transformers' cache is refused with a message naming disable), and generate enables it once more."""
+    from piecewise.integrations.transformers import TokenModel, disable
+
+    model = build("Llama")
+    prompt = torch.randint(2, 250, (7,), generator=torch.Generator().manual_seed(3))
+    expected = transformers_greedy(model, [prompt], [4], eos=None)[0]
+    assert piecewise.generate(model, [prompt], 4, stop_tokens=())[0].tolist() == expected.tolist()
+    with pytest.raises(ValueError, match=r"piecewise\.integrations\.transformers\.disable\(model\)"):
+        transformers_greedy(model, [prompt], [4], eos=None)
+    disable(model)
+    assert transformers_greedy(model, [prompt], [4], eos=None)[0].tolist() == expected.tolist()
+    with pytest.raises(ValueError, match=r"call piecewise\.integrations\.transformers\.enable\(model\)"):
+        TokenModel(model)(prompt, torch.arange(7), TokenModel(model).make_kv_cache(max_seq_len=16))
+    assert piecewise.generate(model, [prompt], 4, stop_tokens=())[0].tolist() == expected.tolist()

@@ -54,6 +54,8 @@ def _runner(model: nn.Module, config: CaptureConfig, max_seq: int, sequences: in
     from . import compile as compile_model
     from .integrations.transformers import TokenModel, enable
 
+    if getattr(model, "_piecewise_call", None) is None:  # never enabled, or disable()d since
+        enable(model)
     runners = _RUNNERS.setdefault(model, {})
     key = repr(config)
     made = runners.get(key)
@@ -64,8 +66,6 @@ def _runner(model: nn.Module, config: CaptureConfig, max_seq: int, sequences: in
         if have_seq >= max_seq and have_sequences >= sequences:
             return made
         max_seq, sequences = max(max_seq, 2 * have_seq), max(sequences, have_sequences)
-    if getattr(model, "_piecewise_call", None) is None:
-        enable(model)
     token_model = TokenModel(model)
     cache = token_model.make_kv_cache(max_seq_len=max_seq, sequences=sequences,
                                       device=next(model.parameters()).device)

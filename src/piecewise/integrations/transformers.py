@@ -103,7 +103,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if query.shape[0] != 1:
         raise ValueError(
             f"the piecewise attention takes one sequence (batch 1), got a batch of {query.shape[0]}: call the "
-            f"model through piecewise.integrations.transformers.TokenModel"
+            f"model through piecewise.integrations.transformers.TokenModel, or give transformers its own attention "
+            f"back with piecewise.integrations.transformers.disable(model) (enable(), which piecewise.generate "
+            f"applies, routed it through piecewise)"
         )
     indices = kwargs.get("indices")  # DeepSeek sparse attention: each query's selected keys (dsa_select)
     if attention_mask is not None and indices is None:  # the causal mask is never built (_no_mask): the model's own
@@ -126,7 +128,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         raise ValueError(
             f"{type(module).__name__} got {k.shape[0]} keys for {q.shape[0]} queries: the model was called with "
             f"transformers' own cache (past_key_values), which the piecewise attention does not read. Call it "
-            f"through piecewise.integrations.transformers.TokenModel with a cache from make_kv_cache"
+            f"through piecewise.integrations.transformers.TokenModel with a cache from make_kv_cache, or give "
+            f"transformers its own attention back with piecewise.integrations.transformers.disable(model) (enable(), "
+            f"which piecewise.generate applies, routed it through piecewise)"
         )
     if kv_cache is not None and tuple(kv_cache.shape[-2:]) != tuple(k.shape[1:]):
         raise ValueError(
@@ -240,6 +244,9 @@ def enable(model: nn.Module, *, experts: bool | None = None, latent_cache: bool 
 
     _check_config(model.config)
     _check_attention_modules(model)
+    if "_piecewise_original" not in vars(model):  # what disable() puts back
+        model._piecewise_original = (model.config._attn_implementation,
+                                     getattr(model.config, "_experts_implementation", None))
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, _no_mask)
     model.config._attn_implementation = NAME
@@ -253,6 +260,25 @@ def enable(model: nn.Module, *, experts: bool | None = None, latent_cache: bool 
             w.is_cuda and w.dtype != torch.bfloat16 for w in stacked)
     if experts:
         _use_piecewise_experts(model)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo ``enable``: transformers' own attention, mask and experts again (and MLA's and DSA's own forwards), so
+    that the model's ``generate`` and calls with ``past_key_values`` work as before. ``TokenModel`` then refuses a
+    KV cache (nothing would read it) until ``enable`` is called again (``piecewise.generate`` calls it); graphs
+    already captured keep replaying what they captured."""
+    original = vars(model).pop("_piecewise_original", None)
+    if original is None:
+        return model  # never enabled
+    attention, experts = original
+    model.config._attn_implementation = attention
+    if experts is not None:
+        model.config._experts_implementation = experts
+    mla.enable_latent(model, False)
+    for module in dsa.indexers(model):
+        module.__dict__.pop("forward", None)
+    model._piecewise_call = None
     return model
 
 
