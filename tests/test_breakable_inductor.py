@@ -161,7 +161,7 @@ def test_a_region_compiled_for_a_runner_cut_at_other_ops_is_refused_not_run():
         sizes = [1, 2, 4]
 
     model = bm.make("mlp", "writes_cache")
-    ours = Regions(model, "inductor", frozenset({"break_models::attend_write"}), Ladder(), Stats())
+    ours = Regions(model, "inductor", frozenset({"break_models::attend_write"}), Ladder(), Stats(), set(), None)
     theirs = Region(("inductor", frozenset()), lambda *args: args, [])
     with pytest.raises(ValueError, match=r"(?s)another runner of the same model class.*splitting ops \[\].*"
                                          r"splitting ops \['break_models::attend_write'\]") as info:
@@ -199,3 +199,71 @@ def test_a_gpt_fast_style_cache_assignment_in_plain_code_is_cut_out_of_the_regio
             torch.testing.assert_close(runner(x, positions, ours), model(x, positions, theirs), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(ours, theirs, msg=f"{tokens} tokens: the cache")
     assert runner.stats["eager_writes"] >= 1 and runner.stats["compiled_regions"] >= 1
+
+
+class _Times(torch.nn.Module):
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class _Layer(torch.nn.Module):
+    """A graph break inside the layer (a JIT-style call): Dynamo traces each layer's frame on code all layers
+    share. ``mlp``, ``index`` and ``inplace`` make layers differ as models do."""
+
+    def __init__(self, mlp, index: int = 0, inplace: bool = False):
+        super().__init__()
+        self.lin, self.mlp, self.index, self.inplace = torch.nn.Linear(8, 8), mlp, index, inplace
+
+    def forward(self, x):
+        y = self.lin(bm.jit_scale(x))
+        if self.inplace:
+            y += x  # into a tensor the previous region made: a temporary, not state
+        if self.index and x.shape[0] >= self.index:  # a branch on the count against a module's integer
+            y = y * 2
+        return self.mlp(y)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, *layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _equal_at_every_count(model, top=4):
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=top, frontend="breakable",
+                                                              compiler="inductor"), dynamic={"x": 0})
+    with torch.no_grad():
+        for tokens in (3, *range(1, top + 2)):
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x), atol=1e-5, rtol=1e-5, msg=f"{tokens} tokens")
+    return runner
+
+
+def test_layers_of_one_class_that_differ_in_their_submodules_each_run_their_own_trace():
+    """Dynamo keeps each layer frame's guards on its module (which submodules, which tensors): layer 0's compiled
+    region must not run for layer 1."""
+    _equal_at_every_count(_Stack(_Layer(_Times(2.0)), _Layer(_Times(3.0))))
+
+
+def test_an_in_place_write_into_an_activation_across_a_graph_break_is_compiled_not_refused():
+    _equal_at_every_count(_Stack(_Layer(_Times(1.0), inplace=True), _Layer(_Times(1.0), inplace=True)))
+
+
+def test_a_branch_on_the_count_against_a_modules_integer_is_refused_where_padding_crosses_it():
+    """``x.shape[0] >= self.index`` with index 6 and 8-token graphs: 5..8 pad to 8 and 5 takes the other path.
+    An integer of a module is traced unspecialised, but it keeps its value when the guards are evaluated at each
+    count (it is not the count)."""
+    model = _Stack(_Layer(_Times(1.0), index=6), _Layer(_Times(1.0), index=7))
+    with pytest.raises(ValueError, match=r"(?s)depends on the token count.*5\.\.") as info:
+        _equal_at_every_count(model, top=8)
+    assert info.value.kind == "token_branch"
+    _equal_at_every_count(_Stack(_Layer(_Times(1.0), index=1)), top=4)  # true at every count: served

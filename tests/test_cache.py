@@ -77,13 +77,16 @@ def test_the_key_ignores_parameter_values_and_the_cache_dir_itself():
         cache.key_of(other, piecewise.CaptureConfig(cache_dir="/b"), ["x"])[0]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not json", "another key"])
+@pytest.mark.parametrize("damage", ["truncated", "not json", "another key", "not text"])
 def test_a_corrupt_entry_is_a_miss_with_one_log_line_and_is_written_again(tmp_path, caplog, damage):
     runner, output, _ = first_call(bm.make("mlp"), tmp_path)
     path = tmp_path / "entries" / (cache.Store(tmp_path).list()[0]["key"] + ".json")
     text = path.read_text()
-    path.write_text({"truncated": text[: len(text) // 2], "not json": "\x00garbage",
-                     "another key": text.replace('"key": "', '"key": "x')}[damage])
+    if damage == "not text":
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    else:
+        path.write_text({"truncated": text[: len(text) // 2], "not json": "\x00garbage",
+                         "another key": text.replace('"key": "', '"key": "x')}[damage])
     with caplog.at_level(logging.INFO, logger="piecewise.cache"):
         again, output_again, warned = first_call(bm.make("mlp"), tmp_path)
     corrupt = [r for r in caplog.records if "corrupt" in r.getMessage()]
@@ -167,3 +170,40 @@ def test_cli_lists_and_clears(tmp_path, capsys):
     assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
     assert "removed" in capsys.readouterr().out
     assert cache.Store(tmp_path).list() == []
+
+
+def test_an_unwritable_cache_directory_turns_the_cache_off_with_one_warning(tmp_path, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="piecewise.cache"):
+        runner, output, _ = first_call(bm.make("mlp"), blocked / "cache")
+        again, _, _ = first_call(bm.make("mlp"), blocked / "cache")
+    assert runner.stats["cache"] == "off" and again.stats["cache"] == "off"
+    assert len([r for r in caplog.records if "cannot be written" in r.getMessage()]) == 1
+
+
+class _RandomAfterBreak(torch.nn.Module):
+    """A JIT-style call (Dynamo blocked) and a Python random draw (breakable refuses the frozen value): auto's
+    third candidate, Dynamo with graph breaks, takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        import random
+
+        return self.lin(bm.jit_scale(x)) + random.random() * 1e-30
+
+
+def test_the_entry_records_the_dynamo_candidate_that_took_the_forward(tmp_path):
+    config = piecewise.CaptureConfig(max_tokens=4, cache_dir=tmp_path)
+    for _ in range(2):
+        runner = piecewise.compile(_RandomAfterBreak(), config, dynamic={"x": 0})
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner(torch.randn(3, 8))
+        assert runner.stats["frontend"] == "dynamo"
+    (entry,) = [json.loads(p.read_text()) for p in (tmp_path / "entries").glob("*.json")]
+    assert entry["options"] == {"on_blocker": "break"}
+    assert runner.stats["cache"] == "hit"  # the second first call took the recorded candidate

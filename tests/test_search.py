@@ -88,3 +88,20 @@ def test_the_choice_is_recorded_and_a_later_first_call_takes_it_without_a_search
 def test_compile_budget_must_be_positive():
     with pytest.raises(ValueError, match=r"compile_budget_s must be a positive number of seconds, got 0"):
         piecewise.CaptureConfig(compile_budget_s=0)
+
+
+def test_when_no_compiler_takes_the_model_the_first_refusal_is_raised(measured):
+    from fixtures import state_models
+
+    runner = piecewise.compile(state_models.TokenMixing("sum"),
+                               piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None),
+                               dynamic={"x": 0})
+    with torch.no_grad(), pytest.raises(ValueError, match="mixes tokens|combines the token rows") as info:
+        runner(torch.randn(3, 8))
+    assert info.value.kind == "token_mixing"
+
+
+def test_the_timing_calls_leave_no_trace_in_the_runner(measured):
+    runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    assert runner.stats["padded_calls"] == 3  # the three calls of run(), not the timing calls
+    assert runner.last_arguments["input_ids"].shape[0] == 5  # the last call's, not a timing call's

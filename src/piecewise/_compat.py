@@ -6,9 +6,7 @@ Checked on torch 2.11 (CUDA) and 2.13 (CPU).
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -172,56 +170,11 @@ def drop_shape_guards(entries: list[Any]) -> list[bool]:
     return keep
 
 
-def keep_shape_guards(entries: list[Any]) -> list[bool]:
-    """``drop_shape_guards`` less the shape-env part, for traces with graph breaks: code after a break is traced
-    per shape by Dynamo itself (sizes there are symbolic or not), so its shape conditions stay guards."""
-    return [keep or getattr(entry, "guard_type", None) == "SHAPE_ENV"
-            for keep, entry in zip(drop_shape_guards(entries), entries)]
-
-
 def compile_options(graph_breaks: bool = False) -> dict[str, Any]:
-    return {"guard_filter_fn": keep_shape_guards if graph_breaks else drop_shape_guards}
-
-
-def _full_paths(where: str) -> str:
-    """torch shortens a user file's path in a guard's location by the length of its common prefix with
-    torch's own directory (``/work/m/model.py`` → ``ork/m/model.py``); put back the path of the loaded module
-    that ends with it."""
-
-    def restore(match: re.Match) -> str:
-        short = match.group(1)
-        if os.path.exists(short):
-            return match.group(0)
-        files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
-        found = sorted(f for f in files if isinstance(f, str) and f.endswith(short))
-        return f"# {found[0]}:" if len(found) == 1 else match.group(0)
-
-    return re.sub(r"# (\S+?):(?=\d)", restore, where)
-
-
-def token_guard_failures(example_inputs: list[Any], sizes: list[int]) -> list[tuple[str, str, int]]:
-    """Shape conditions recorded while tracing that some capture size violates: (condition, where, size), one
-    per condition and size that violates it."""
-    fake_mode = fake_mode_of(example_inputs)
-    shape_env = getattr(fake_mode, "shape_env", None)
-    if shape_env is None:
-        return []
-    failures = []
-    for guard in getattr(shape_env, "guards", []):
-        expr = guard.expr
-        symbols = list(getattr(expr, "free_symbols", ()))
-        if not symbols:
-            continue
-        for size in sizes:
-            try:
-                holds = bool(expr.subs({symbol: size for symbol in symbols}))
-            except TypeError:
-                continue
-            if not holds:
-                sloc = getattr(guard, "sloc", None)
-                where = getattr(sloc, "maybe_user_loc", None) or str(sloc or "unknown location")
-                failures.append((str(expr), _full_paths(where), size))
-    return failures
+    """The one trace: ``drop_shape_guards``. With graph breaks every guard stays: code after a break is traced per
+    shape by Dynamo itself, and a layer's frame is compiled on code every instance of its class shares, so the
+    guards on the module (its submodules' types, its tensors) tell one layer's trace from another's."""
+    return {} if graph_breaks else {"guard_filter_fn": drop_shape_guards}
 
 
 def argument_source(placeholder: Any) -> str:

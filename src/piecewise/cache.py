@@ -95,6 +95,18 @@ def _device(model: torch.nn.Module) -> str:
     return tensor.device.type if tensor is not None else "cpu"
 
 
+def _opaque_ops() -> str:
+    """A hash of the opaque ops registered (``opaque_op`` / ``wrap_opaque``) and the code of their functions: a fix
+    the doctor suggests (wrapping a JIT library's entry point) changes what the first call would take."""
+    from .opaque import _opaque_ops
+
+    parts = []
+    for name in sorted(_opaque_ops):
+        code = getattr(_opaque_ops[name].impl, "__code__", None)
+        parts.append(f"{name}:{hashlib.sha256(code.co_code).hexdigest()[:8] if code else ''}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
 def key_of(model: torch.nn.Module, config: Any, token_names: list[str]) -> tuple[str, dict[str, Any]]:
     """(the entry's key, what it hashes, readable)."""
     import dataclasses
@@ -106,6 +118,7 @@ def key_of(model: torch.nn.Module, config: Any, token_names: list[str]) -> tuple
     described = {"format": FORMAT, "model": f"{type(model).__module__}.{type(model).__qualname__}",
                  "code": _code(model), "tensors": hashlib.sha256(json.dumps(tensors).encode()).hexdigest()[:16],
                  "tensor_count": len(tensors), "token_arguments": list(token_names), "config": fields,
+                 "opaque_ops": _opaque_ops(),
                  "versions": _versions(), "device": _device(model)}
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
     return digest, described
@@ -124,17 +137,18 @@ class Store:
         """The entry for ``key``, or None (a miss, logged once with its reason when it was there but unusable)."""
         path = self.entries / f"{key}.json"
         try:
-            text = path.read_text()
+            data = path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:
             logger.info("piecewise: cache entry %s unreadable (%s): a miss", path, exc)
             return None
         try:
-            entry = json.loads(text)
+            entry = json.loads(data.decode())  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
                 raise ValueError("not an entry of this format and key")
-            if not isinstance(entry.get("frontend"), str):
+            if not isinstance(entry.get("frontend"), str) or not isinstance(entry.get("described", {}), dict) or \
+                    not isinstance(entry.get("options", {}), dict):
                 raise ValueError("no front-end recorded")
         except ValueError as exc:
             logger.warning("piecewise: cache entry %s is corrupt (%s): a miss; it is written again", path, exc)
@@ -160,7 +174,7 @@ class Store:
         for path in sorted(self.entries.glob("*.json")) if self.entries.is_dir() else []:
             entry = self.load(path.stem)
             if entry is not None:
-                found.append({"key": path.stem, "model": entry["described"].get("model", "?"),
+                found.append({"key": path.stem, "model": entry.get("described", {}).get("model", "?"),
                               "frontend": entry["frontend"], "graph_mode": entry.get("graph_mode", ""),
                               "first_call_s": entry.get("first_call_s"), "written": entry.get("written"),
                               "path": str(path)})
@@ -179,6 +193,27 @@ class Store:
                 removed += sum(1 for p in sub.rglob("*") if p.is_file())
                 shutil.rmtree(sub, ignore_errors=True)
         return removed
+
+
+_UNUSABLE: set[Path] = set()
+
+
+def usable(root: Path) -> bool:
+    """Whether ``root`` can hold the cache (made if missing, a file written and removed); a directory that cannot
+    is reported once and the cache is off for it."""
+    if root in _UNUSABLE:
+        return False
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".probe."):
+            pass
+    except OSError as exc:
+        _UNUSABLE.add(root)
+        logger.warning("piecewise: the cache directory %s cannot be written (%s): the persistent cache is off; "
+                       "set CaptureConfig(cache_dir=...) or $%s to a writable folder, or to None / off", root, exc,
+                       ENVIRONMENT)
+        return False
+    return True
 
 
 def use_for_inductor(root: Path) -> None:

@@ -75,7 +75,8 @@ class BreakableFrontend:
         self.interceptor = Interceptor
         if parts.config.compiler != "eager":
             self.interceptor = CompiledInterceptor
-            self.regions = Regions(parts.model, parts.config.compiler, self.splitting, parts.ladder, parts.stats)
+            self.regions = Regions(parts.model, parts.config.compiler, self.splitting, parts.ladder, parts.stats,
+                                   self.static, self.stager)
             self.warms_every_size = True  # Inductor's kernels compile and tune on their first run, not under capture
 
     def call_forward(self, arguments: dict[str, Any]) -> Any:

@@ -30,6 +30,7 @@ import torch
 from .. import _compat
 from ..capture.compilers import make_compiler
 from ..errors import ForwardRefused
+from ..graph.guards import token_guard_failures
 from ..graph.split import split_graph
 from ..graph.tokens import is_token_tensor, placeholder_values
 from .dynamo_trace import fresh_method
@@ -46,11 +47,15 @@ remaining layers would run uncompiled."""
 class Regions:
     """The compiled forward and the regions Dynamo traced in it."""
 
-    def __init__(self, model: torch.nn.Module, compiler: str, splitting: frozenset[str], ladder, stats):
+    def __init__(self, model: torch.nn.Module, compiler: str, splitting: frozenset[str], ladder, stats,
+                 static: set[int], stager):
         self.compiler = make_compiler(compiler)
         self.splitting = splitting
         self.ladder = ladder
         self.stats = stats
+        self.static = static
+        """Storages of the model's parameters and buffers and of its static arguments (the runner's, shared)."""
+        self.stager = stager
         self.method = fresh_method(model.forward)  # its own code object: its own Dynamo cache
         _forget_compiled_layers(model)
         self.compiled = torch.compile(self.method, backend=self.backend, fullgraph=False, dynamic=None,
@@ -95,11 +100,11 @@ class Regions:
         from .dynamo import refuse_token_argument_writes, static_writes
 
         started = time.perf_counter()
-        self._check_token_guards(example_inputs)
-        token_inputs = [node for node in graph.graph.nodes
-                        if node.op == "placeholder" and is_token_tensor(node.meta.get("example_value"))]
+        fakes = placeholder_values(graph)  # with their symbolic sizes (the example inputs may be real tensors)
+        self._check_token_guards(fakes)
+        token_inputs, static = self._inputs(graph)
         refuse_token_argument_writes(graph, token_inputs)
-        writes = static_writes(graph, token_inputs, self.splitting)
+        writes = static_writes(graph, token_inputs, self.splitting, static)
         split, partitions = split_graph(graph, self.splitting, writes)
         compiled = 0
         for partition in partitions:
@@ -116,14 +121,35 @@ class Regions:
         self.stats.compile_seconds += time.perf_counter() - started
         logger.debug("piecewise: region compiled: %d piece(s), %d splitting call(s) or cut write(s)",
                      compiled, len(partitions) - compiled)
-        return Region(self.key, split.forward, example_inputs)
+        return Region(self.key, split.forward, fakes)
+
+    def _inputs(self, graph: torch.fx.GraphModule) -> tuple[list, list]:
+        """(the region's inputs that are the runner's token arguments, those that are static tensors: parameters,
+        buffers, static arguments such as a KV cache, and views of them), told apart by their storage. A region
+        after a graph break, or a layer's frame, also takes activations Python made: temporaries, which it may
+        write in place like any other."""
+        tokens, static = [], []
+        for node in graph.graph.nodes:
+            if node.op != "placeholder" or not isinstance(node.meta.get("example_value"), torch.Tensor):
+                continue
+            try:
+                real = node.meta["grapharg"].example
+            except (KeyError, AttributeError, AssertionError):
+                real = None
+            if not isinstance(real, torch.Tensor):  # unknown: as the one trace judges it
+                (tokens if is_token_tensor(node.meta.get("example_value")) else static).append(node)
+            elif self.stager.owns(real):
+                tokens.append(node)
+            elif real.untyped_storage().data_ptr() in self.static:
+                static.append(node)
+        return tokens, static
 
     def _check_token_guards(self, example_inputs: list) -> None:
         """Refuse a region whose shape guards change within a padding interval of the ladder: a call of n tokens
         runs the capture of the size it pads to, traced for that size."""
         sizes = self.ladder.sizes
         counts = list(range(1, sizes[-1] + 2))
-        failing = {size for _, _, size in _compat.token_guard_failures(example_inputs, counts)}
+        failing = {size for _, _, size in token_guard_failures(example_inputs, counts)}
         if not failing:
             return
         lower = 0
@@ -131,7 +157,7 @@ class Regions:
             interval = range(lower + 1, size + 1)
             inside = {n in failing for n in interval}
             if len(inside) > 1:
-                condition, where, _ = next(f for f in _compat.token_guard_failures(example_inputs, list(interval)))
+                condition, where, _ = next(f for f in token_guard_failures(example_inputs, list(interval)))
                 raise ForwardRefused(
                     f"piecewise: a compiled region of the forward depends on the token count: it evaluates "
                     f"`{condition}` at {where}, which differs between calls of {lower + 1}..{size} tokens, all "

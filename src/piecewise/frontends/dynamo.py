@@ -20,6 +20,7 @@ from .. import _compat
 from ..capture.compilers import make_compiler
 from ..capture.state import STATE_CHANGE
 from ..errors import CaptureFailed, ForwardRefused
+from ..graph.guards import token_guard_failures
 from ..graph.stack import node_stack
 from ..graph.tokens import is_token_tensor, node_place, token_mixing_nodes, user_line
 from ..graph.writes import accumulates, describe_write, writes_to_inputs
@@ -124,7 +125,7 @@ class DynamoFrontend:
             return  # with graph breaks Dynamo keeps the shape guards and traces again where one fails
         sizes = self.ladder.sizes
         # The capture sizes, and one above the top: calls above it run through the same trace, unpadded.
-        failures = _compat.token_guard_failures(example_inputs, [*sizes, sizes[-1] + 1])
+        failures = token_guard_failures(example_inputs, [*sizes, sizes[-1] + 1])
         if failures and {size for _, _, size in failures} == {1} and len(sizes) > 1 and self.stats.traces == 0 \
                 and not self.state.capture_done:
             # The trace assumes more than one token (a broadcasting check in indexing or copy_, DeepSeek-V3's
@@ -314,14 +315,18 @@ def mixing_places(nodes: list[torch.fx.Node]) -> tuple[str, list[traceback.Frame
     return " Candidates: " + "; ".join(shown) + ".", chain
 
 
-def static_writes(graph: torch.fx.GraphModule, token_inputs: list, splitting: frozenset[str]) -> dict:
+def static_writes(graph: torch.fx.GraphModule, token_inputs: list, splitting: frozenset[str],
+                  static: list | None = None) -> dict:
     """In-place writes of traced code into static tensors (arguments, parameters, buffers) → a label each.
 
     Such a write runs eagerly between pieces, on the real rows: inside a piece it would also run for the
     padding rows (a KV-cache write at the padded positions would overwrite position 0). A write that reads
-    what it overwrites (``+=``, ``add_``) is refused: the first call runs the model several times."""
-    static = [node for node in graph.graph.nodes if node.op == "placeholder" and node not in token_inputs
-              and isinstance(node.meta.get("example_value"), torch.Tensor)]
+    what it overwrites (``+=``, ``add_``) is refused: the first call runs the model several times. ``static``:
+    the inputs that are such tensors, where not every input but the token arguments is one (a region after a
+    graph break also takes the activations Python passed on)."""
+    if static is None:  # the one trace: every input but the token arguments is the model's or a static argument
+        static = [node for node in graph.graph.nodes if node.op == "placeholder" and node not in token_inputs
+                  and isinstance(node.meta.get("example_value"), torch.Tensor)]
     eager: dict = {}
     for writer, placeholder in writes_to_inputs(graph, static):
         if writer in eager or (writer.op == "call_function" and op_name(writer.target) in splitting):

@@ -44,7 +44,7 @@ from ..models.glm_moe import NVFP4Experts, moe_experts
 from ..opaque import opaque_op
 from ..parallel import reduce_partial
 from . import dsa, mla
-from . import kv_cache as cache_layout
+from .token_model import TokenModel  # noqa: F401 - part of this module's API
 
 NAME = dsa.ATTENTION
 
@@ -377,54 +377,3 @@ def tensor_parallel(model: nn.Module, group=None, *, capture_all_reduce: bool = 
             sharded.append(qualified)
     model.piecewise_world_size = world
     return sharded
-
-
-class TokenModel(nn.Module):
-    """``forward(input_ids [T], position_ids [T], kv_cache=None, slots=None) → logits [T, vocab]``.
-
-    Without ``slots`` the tokens are one sequence; with ``slots`` [T] token t belongs to sequence ``slots[t]`` of
-    a multi-sequence cache: prefill several prompts and decode many sequences in one call (a flattened batch, as
-    serving engines run it). ``make_kv_cache`` gives the cache its layout (MLA models: latent rows)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: torch.Tensor | None = None,
-                slots: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``logits_rows`` [R]: only those rows' logits → [R, vocab] (transformers' ``logits_to_keep``): a prefill
-        of many prompts needs one row per prompt, and the output head over every token is a quarter of a small
-        model's work. For calls outside a runner (its graphs are captured without it)."""
-        keep = {} if logits_rows is None else {"logits_to_keep": logits_rows}
-        extra = {} if kv_cache is None else {"piecewise_kv_cache": kv_cache, "piecewise_positions": position_ids}
-        if slots is not None:
-            if kv_cache is None:
-                raise ValueError("slots need a multi-sequence kv_cache: make_kv_cache(max_seq_len, sequences=N)")
-            extra["piecewise_slots"] = slots
-        call = getattr(self.model, "_piecewise_call", None)  # set by enable(): read by every attention module
-        if call is None:  # not enabled: nothing would read the cache, slots or positions
-            if extra:  # transformers' own attention would never read the cache: decode steps would see one token
-                raise ValueError("TokenModel got a KV cache, which transformers' own attention never reads: call "
-                                 "piecewise.integrations.transformers.enable(model) before TokenModel(model)")
-            return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                              **keep).logits[0]
-        if kv_cache is not None:
-            cache_layout.check_cache(self.model, kv_cache, slots)
-        call.clear()
-        call.update(extra)
-        try:
-            out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **keep)
-        finally:
-            call.clear()
-        return out.logits[0]
-
-    def kv_bytes_per_token(self, dtype=None) -> int:
-        """Bytes of cache one token takes over all layers (``make_kv_cache``'s, indexer key caches included)."""
-        return cache_layout.bytes_per_token(self.model, dtype)
-
-    def make_kv_cache(self, max_seq_len: int, sequences: int | None = None, device=None, dtype=None) -> torch.Tensor:
-        """A zeroed cache for ``forward``'s ``kv_cache``: [layers, 2, max_seq_len, kv heads, head_dim] for one
-        sequence, or [layers, 2, sequences, max_seq_len, kv heads, head_dim] for ``slots``; for MLA models
-        [layers, (sequences,) max_seq_len, kv_lora_rank + qk_rope_head_dim]. ``kv_bytes_per_token`` says what
-        a token costs in it."""
-        return cache_layout.make(self.model, max_seq_len, sequences, device, dtype)

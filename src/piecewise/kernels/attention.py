@@ -85,6 +85,8 @@ def slot_attention_batched(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     longest, highest, fresh = torch.stack([counts.max(), positions.max(), fresh.long()]).tolist()
     keys_len = highest + 1
     batch = ids.numel()
+    if batch * longest > 2 * tokens + 64:  # lengths far apart: padding to the longest would cost more than it saves
+        return slot_attention_reference(q, cache_k, cache_v, slots, positions, scale, window)
     query = q.new_zeros(batch, longest, q_heads, head_dim)
     query[inverse, rank] = q
     if fresh and window == 0:  # row i of a sequence sees its keys 0..i: causal, no mask (the fused kernels)
@@ -257,7 +259,8 @@ def slot_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
 
 
 KERNEL_TOKENS = 512
-"""Most tokens per call for the Triton kernel; past it (prefill) one attention per sequence is cheaper."""
+"""Most tokens per call for the Triton kernel; past it (prefill) SDPA over the call's sequences is cheaper
+(``slot_attention_batched``)."""
 
 
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,

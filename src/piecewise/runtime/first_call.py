@@ -116,6 +116,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
         candidates = (recorded, *(c for c in candidates if c != recorded))  # the others if it fails now
     reasons: list[str] = []
     refusals: list[Exception] = []
+    taken = candidates[0]
     for index, candidate in enumerate(candidates):
         core.frontend = make_frontend(candidate.name, core.parts(), **candidate.options)
         core.stats.frontend = core.frontend.name
@@ -142,6 +143,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
                 capture_all(core, arguments, graphs=use_graphs)
             if not core.frontend.replays_python:
                 warn_changed_state(changed)
+            taken = candidate
             break
         except Exception as exc:  # noqa: BLE001 - with "auto", whatever stops a front-end is a reason to move on
             final = _REFUSED_BY_BOTH | ({BlockerKind.TOKEN_BRANCH} if core.frontend.runs_every_size else set())
@@ -177,7 +179,6 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
         if not report.ok:
             raise VerificationError(report)
     if store is not None:
-        taken = next(c for c in candidates if c.name == core.frontend.name)
         reason = store.entry_reason if recorded is taken else core.stats.frontend_reason
         store.save(key, described, {"frontend": taken.name, "options": taken.options,
                                     "graph_mode": core.stats.graph_mode, "frontend_reason": reason,
@@ -189,7 +190,7 @@ def _open_cache(core: Core):
     from .. import cache
 
     root = cache.resolve(core.config.cache_dir)
-    if root is None:
+    if root is None or not cache.usable(root):
         core.stats.cache = "off"
         return None, None, None, None
     cache.use_for_inductor(root)
@@ -206,6 +207,8 @@ def _open_cache(core: Core):
         return store, key, described, None
     core.stats.cache = "hit"
     store.entry_reason = str(entry.get("frontend_reason") or entry["frontend"])
+    logger.info("piecewise: the cache (%s) recorded the %s front-end for this model: it is tried first (%s); "
+                "`piecewise cache clear` forgets it", root, candidate.name, store.entry_reason)
     return store, key, described, candidate
 
 

@@ -41,7 +41,7 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     root = cache.resolve(config.cache_dir)
     store = key = described = None
     recorded = None
-    if root is not None:
+    if root is not None and cache.usable(root):
         store = cache.Store(root)
         key, described = cache.key_of(runner.model, config, list(runner.arguments.dynamic))
         entry = store.load(key)
@@ -54,35 +54,25 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
         order, why = ("eager",), "no CUDA graphs: nothing to measure, eager pieces compile nothing"
     else:
         order, why = CANDIDATES, ""
-    rows, spent = [], 0.0
-    for compiler in order:
-        if rows and spent > config.compile_budget_s:
-            why = f"compile budget {config.compile_budget_s:.0f} s spent after {', '.join(r['compiler'] for r in rows)}"
-            break
-        trial = type(runner)(runner.model, dataclasses.replace(config, compiler=compiler),
-                             dict(runner.arguments.dynamic))
-        started = time.perf_counter()
-        try:
-            trial.capture(**arguments)
-        except Exception as exc:  # noqa: BLE001 - a candidate that cannot take the model is a row of the table
-            if compiler == order[-1] and not rows:
-                raise
-            rows.append({"compiler": compiler, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
-            continue
-        first = time.perf_counter() - started
-        spent += first
-        ms = _timed(trial, arguments) if len(order) > 1 else {}
-        rows.append({"compiler": compiler, "first_call_s": first, "ms": ms, "runner": trial})
+    rows, spent, failures = _trials(runner, arguments, order, config)
+    if not any("runner" in r for r in rows) and recorded is not None and measure:  # the recorded one fails now
+        order, why = CANDIDATES, f"the recorded {recorded!r} failed now: {rows[0].get('error', '')}"
+        rows, spent, failures = _trials(runner, arguments, order, config)
     measured = [r for r in rows if "runner" in r]
-    chosen = min(measured, key=lambda r: sum(r["ms"].values()) if r["ms"] else 0.0)
+    if not measured:  # no candidate takes the model: the first one's refusal names what to fix
+        raise failures[0]
+    if len(rows) < len(order) and not why:  # stopped before the last candidate
+        why = f"compile budget {config.compile_budget_s:.0f} s spent after " + ", ".join(r["compiler"] for r in rows)
+    common = set.intersection(*(set(r["ms"]) for r in measured)) if all(r["ms"] for r in measured) else set()
+    chosen = min(measured, key=lambda r: sum(ms for n, ms in r["ms"].items() if n in common))
     for row in measured:
         if row is not chosen:
             row["runner"].release_graphs()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     table = [{k: v for k, v in row.items() if k != "runner"} for row in rows]
-    if not why:
-        why = "measured: " + "; ".join(
+    if not why or why.startswith("the recorded"):
+        why = (why + "; " if why else "") + "measured: " + "; ".join(
             f"{r['compiler']} " + (", ".join(f"{n}: {ms:.3f} ms" for n, ms in r["ms"].items()) if "ms" in r
                                    else r["error"]) for r in rows) + f" -> {chosen['compiler']}"
     trial = chosen["runner"]
@@ -98,12 +88,36 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
                                     "frontend_reason": runner.stats.frontend_reason, "first_call_s": spent})
 
 
+def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[list, float, list]:
+    """Each compiler of ``order`` prepared and timed while the first calls' seconds stay within the budget:
+    (rows of the table, seconds spent, the exceptions of those that failed)."""
+    rows, spent, failures = [], 0.0, []
+    for compiler in order:
+        if any("runner" in r for r in rows) and spent > config.compile_budget_s:
+            break
+        trial = type(runner)(runner.model, dataclasses.replace(config, compiler=compiler),
+                             dict(runner.arguments.dynamic))
+        started = time.perf_counter()
+        try:
+            trial.capture(**arguments)
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot take the model is a row of the table
+            failures.append(exc)
+            rows.append({"compiler": compiler, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
+            continue
+        first = time.perf_counter() - started
+        spent += first
+        ms = _timed(trial, arguments) if len(order) > 1 else {}
+        rows.append({"compiler": compiler, "first_call_s": first, "ms": ms, "runner": trial})
+    return rows, spent, failures
+
+
 def _timed(trial, arguments: dict[str, Any], rounds: int = 5, iters: int = 10) -> dict[int, float]:
     """ms per call at each representative size the trial captured, calls made from the first call's rows."""
     sizes = sorted({s for s in (*SIZES, trial.ladder.sizes[-1]) if s in trial.ladder.sizes})
     tokens = arguments[next(iter(trial.arguments.dynamic))].shape[0]
     given = trial.arguments.given_tokens(arguments)
     times = {}
+    kept = trial.last_arguments, dict(trial.stats)
     trial.timing = True
     try:
         for size in sizes:
@@ -126,6 +140,10 @@ def _timed(trial, arguments: dict[str, Any], rounds: int = 5, iters: int = 10) -
             times[size] = statistics.median(samples)
     finally:
         trial.timing = False
+        trial.last_arguments = kept[0]  # the first call's, for verify() and capture(): not the timing calls'
+        trial.stats.update(**{k: v for k, v in kept[1].items() if k in ("padded_calls", "replays", "full_calls",
+                                                                        "full_replays", "fallback_calls",
+                                                                        "splitting_op_calls", "direct_calls")})
     return times
 
 
