@@ -236,7 +236,7 @@ def _reset_after(core: Core, exc: Exception, failing: Candidate, following: Cand
         inner = getattr(exc, "inner_exception", None) or exc
         reasons = [f"[{getattr(inner, 'kind', type(inner).__name__)}] {str(inner).removeprefix('piecewise: ')}"]
         summary = f"{failed} failed ({type(inner).__name__})"
-    fusion = " (and compiler='inductor' fusion)" if failing.compiles else ""
+    fusion = " (and compiler='inductor' fusion)" if failing.compiles and not following.compiles else ""
     warnings.warn(
         f"piecewise: the {failed} front-end cannot take this forward, so it runs with {following.description}. Fix "
         f"what is below to bring the {failed} front-end back{fusion}, or choose a front-end with "
