@@ -216,6 +216,18 @@ def usable(root: Path) -> bool:
     return True
 
 
+def open_entry(model: torch.nn.Module, config: Any, token_names: list[str]):
+    """(the store, the model's key, what the key hashes, its entry or None) for ``config.cache_dir``, with
+    Inductor pointed at the store; Nones when the cache is off or its directory cannot be written."""
+    root = resolve(config.cache_dir)
+    if root is None or not usable(root):
+        return None, None, None, None
+    use_for_inductor(root)
+    store = Store(root)
+    key, described = key_of(model, config, token_names)
+    return store, key, described, store.load(key)
+
+
 def use_for_inductor(root: Path) -> None:
     """Point Inductor's caches at ``root/inductor`` unless the user chose a directory for them (the variable set
     to something other than Inductor's own default)."""

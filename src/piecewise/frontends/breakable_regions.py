@@ -121,7 +121,10 @@ class Regions:
         self.stats.compile_seconds += time.perf_counter() - started
         logger.debug("piecewise: region compiled: %d piece(s), %d splitting call(s) or cut write(s)",
                      compiled, len(partitions) - compiled)
-        return Region(self.key, split.forward, fakes)
+        region = Region(self.key, split.forward, fakes)
+        self.used.add(region)  # its guards were checked above: adopt() is for regions other runners compiled
+        self.stats.compiled_regions = len(self.used)
+        return region
 
     def _inputs(self, graph: torch.fx.GraphModule) -> tuple[list, list]:
         """(the region's inputs that are the runner's token arguments, those that are static tensors: parameters,

@@ -189,14 +189,10 @@ def _open_cache(core: Core):
     """(the store, the model's key, what it hashes, the recorded candidate to try first) or Nones when off."""
     from .. import cache
 
-    root = cache.resolve(core.config.cache_dir)
-    if root is None or not cache.usable(root):
+    store, key, described, entry = cache.open_entry(core.model, core.config, list(core.arguments.dynamic))
+    if store is None:
         core.stats.cache = "off"
         return None, None, None, None
-    cache.use_for_inductor(root)
-    store = cache.Store(root)
-    key, described = cache.key_of(core.model, core.config, list(core.arguments.dynamic))
-    entry = store.load(key)
     core.stats.cache = "miss"
     if entry is None or core.config.frontend != "auto" or core.config.strict:
         return store, key, described, None
@@ -208,7 +204,7 @@ def _open_cache(core: Core):
     core.stats.cache = "hit"
     store.entry_reason = str(entry.get("frontend_reason") or entry["frontend"])
     logger.info("piecewise: the cache (%s) recorded the %s front-end for this model: it is tried first (%s); "
-                "`piecewise cache clear` forgets it", root, candidate.name, store.entry_reason)
+                "`piecewise cache clear` forgets it", store.root, candidate.name, store.entry_reason)
     return store, key, described, candidate
 
 

@@ -38,14 +38,8 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     config = runner.config
     arguments = runner.arguments.bind(args, kwargs)
     runner.arguments.token_count(arguments)
-    root = cache.resolve(config.cache_dir)
-    store = key = described = None
-    recorded = None
-    if root is not None and cache.usable(root):
-        store = cache.Store(root)
-        key, described = cache.key_of(runner.model, config, list(runner.arguments.dynamic))
-        entry = store.load(key)
-        recorded = entry.get("compiler") if entry is not None else None
+    store, key, described, entry = cache.open_entry(runner.model, config, list(runner.arguments.dynamic))
+    recorded = entry.get("compiler") if entry is not None else None
     devices = {t.device.type for t in runner.model.parameters()}
     measure = (config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()) or MEASURE_WITHOUT_CUDA
     if recorded in CANDIDATES:
