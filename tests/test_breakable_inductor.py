@@ -40,10 +40,13 @@ def run_sequence(model, runner, mode: str, offset: int = 3) -> None:
                                            msg=lambda m: f"cache after {tokens} tokens: {m}")
 
 
-@pytest.mark.parametrize(("jit_at", "attention", "mode"), [
-    ("norm", "writes_cache", "no_grad"), ("before_attention", "reads_cache", "inference_mode"),
-    ("after_residual", "no_cache", "grad"), ("mlp", "reads_cache", "no_grad"), (None, "writes_cache", "grad"),
-])
+# Every place of the JIT-style call x every kind of splitting op; the grad mode rotates so that each place and each
+# kind meets all three (the full product would compile 45 models).
+CASES = [(jit_at, attention, list(GRAD_MODES)[(i + j) % 3])
+         for i, jit_at in enumerate(bm.PLACES) for j, attention in enumerate(bm.ATTENTION)]
+
+
+@pytest.mark.parametrize(("jit_at", "attention", "mode"), CASES)
 def test_compiled_regions_equal_eager_with_a_jit_call_anywhere(jit_at, attention, mode):
     model = bm.make(jit_at, attention)
     runner = piecewise.compile(model, INDUCTOR)
