@@ -180,3 +180,30 @@ def test_batched_slot_attention_equals_the_reference_for_interleaved_sequences(w
         fresh[slots == slot] = torch.arange(int((slots == slot).sum()))
     torch.testing.assert_close(slot_attention_batched(q, cache_k, cache_v, slots, fresh, 0.25, window),
                                slot_attention_reference(q, cache_k, cache_v, slots, fresh, 0.25, window))
+
+
+@pytest.mark.parametrize("start", [0, 6])
+def test_batched_slot_attention_reads_a_calls_layout_once_for_every_layer(start, monkeypatch):
+    """Within ``one_layout_per_call`` (each ``TokenModel`` call) the call's layout is read from the device once
+    and reused by every layer: prompts of equal length one after another (the batch is a view of the rows), from
+    position 0 or a later chunk, layers of their own caches and alternating sliding windows."""
+    from piecewise.kernels import attention as kernels
+
+    generator = torch.Generator().manual_seed(start)
+    slots = torch.tensor([2, 0, 3]).repeat_interleave(8)
+    positions = (torch.arange(8) + start).repeat(3)
+    q = torch.randn(24, 4, 16, generator=generator)
+    layers = [[torch.randn(4, 20, 2, 16, generator=generator) for _ in range(2)] for _ in range(4)]
+    reads = []
+    unique = torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: reads.append(1) or unique(*a, **k))
+    with kernels.one_layout_per_call():
+        got = [kernels.slot_attention_batched(q, k, v, slots, positions, 0.25, window=3 * (i % 2))
+               for i, (k, v) in enumerate(layers)]
+    assert len(reads) == 1
+    for i, (k, v) in enumerate(layers):
+        torch.testing.assert_close(got[i], slot_attention_reference(q, k, v, slots, positions, 0.25, 3 * (i % 2)))
+    reads.clear()
+    kernels.slot_attention_batched(q, *layers[0], slots, positions, 0.25)
+    kernels.slot_attention_batched(q, *layers[0], slots, positions, 0.25)
+    assert len(reads) == 2  # outside it: read at every call (the tensors may have changed in between)

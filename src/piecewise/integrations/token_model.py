@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.attention import one_layout_per_call
 from . import kv_cache as cache_layout
 
 
@@ -43,7 +44,8 @@ class TokenModel(nn.Module):
         call.clear()
         call.update(extra)
         try:
-            out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **keep)
+            with one_layout_per_call():  # a long prefill's layout read once, not once per layer
+                out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **keep)
         finally:
             call.clear()
         return out.logits[0]

@@ -14,8 +14,11 @@ one sequence at a time; ``attend`` picks between them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -70,43 +73,90 @@ def slot_attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: to
     return out
 
 
-def slot_attention_batched(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                           positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """``slot_attention_reference`` as one SDPA over every sequence of the call (long prefills of many prompts):
-    each sequence's queries padded to the longest, its keys the cache's rows up to the call's highest position;
-    one host read of the call's layout, where the reference reads it once per sequence → [T, Hq, D]."""
-    tokens, q_heads, head_dim = q.shape
+_CALL_LAYOUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("piecewise_call_layouts", default=None)
+
+
+@contextlib.contextmanager
+def one_layout_per_call() -> Iterator[None]:
+    """Within it, ``slot_attention_batched`` reads the layout of a call's ``slots`` and ``positions`` (which
+    sequences, how long, from where) from the device once and reuses it for every layer given the same two
+    tensors: one host sync per call instead of one per layer. ``TokenModel`` enters it for each call."""
+    token = _CALL_LAYOUTS.set({})
+    try:
+        yield
+    finally:
+        _CALL_LAYOUTS.reset(token)
+
+
+def _layout(slots: torch.Tensor, positions: torch.Tensor) -> dict:
+    """The call's sequences as rows of a padded batch: ``ids`` (their slots), ``inverse`` / ``rank`` (each
+    token's row and place in it), ``longest``, ``keys_len`` (keys up to the highest position), ``fresh`` (each
+    sequence starts at position 0 here) and ``packed`` (the tokens already sequence after sequence, each as
+    long as the longest: the batch is a view of the call's rows)."""
+    memo = _CALL_LAYOUTS.get()
+    key = (id(slots), id(positions))
+    if memo is not None and key in memo:
+        return memo[key][0]
+    tokens = slots.shape[0]
     ids, inverse, counts = torch.unique(slots, return_inverse=True, return_counts=True)
     order = torch.argsort(inverse, stable=True)  # tokens grouped by sequence, in call order within each
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(tokens, device=q.device) - starts[inverse[order]]  # each token's row in its sequence
-    fresh = (positions == rank).all()  # every sequence starts at position 0 in this call: plain causal attention
-    longest, highest, fresh = torch.stack([counts.max(), positions.max(), fresh.long()]).tolist()
-    keys_len = highest + 1
+    rank[order] = torch.arange(tokens, device=slots.device) - starts[inverse[order]]  # each token's row in its sequence
+    fresh = (positions == rank).all()
+    packed = (order == torch.arange(tokens, device=slots.device)).all() & (counts == counts[0]).all()
+    longest, highest, fresh, packed = torch.stack([counts.max(), positions.max(), fresh.long(),
+                                                   packed.long()]).tolist()
+    layout = {"ids": ids, "inverse": inverse, "rank": rank, "longest": longest, "keys_len": highest + 1,
+              "fresh": bool(fresh), "packed": bool(packed), "masks": {}}
+    if memo is not None:  # the tensors kept with it: their ids stay theirs while the memo lives
+        memo[key] = (layout, slots, positions)
+    return layout
+
+
+def slot_attention_batched(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                           positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """``slot_attention_reference`` as one SDPA over every sequence of the call (long prefills of many prompts):
+    each sequence's queries padded to the longest, its keys the cache's rows up to the call's highest position;
+    one host read of the call's layout (per call within ``one_layout_per_call``), where the reference reads it
+    once per sequence → [T, Hq, D]."""
+    tokens, q_heads, head_dim = q.shape
+    layout = _layout(slots, positions)
+    ids, inverse, rank, longest = layout["ids"], layout["inverse"], layout["rank"], layout["longest"]
     batch = ids.numel()
     if batch * longest > 2 * tokens + 64:  # lengths far apart: padding to the longest would cost more than it saves
         return slot_attention_reference(q, cache_k, cache_v, slots, positions, scale, window)
-    query = q.new_zeros(batch, longest, q_heads, head_dim)
-    query[inverse, rank] = q
-    if fresh and window == 0:  # row i of a sequence sees its keys 0..i: causal, no mask (the fused kernels)
+    if layout["packed"]:
+        query = q.view(batch, longest, q_heads, head_dim)
+    else:
+        query = q.new_zeros(batch, longest, q_heads, head_dim)
+        query[inverse, rank] = q
+
+    def unbatch(out: torch.Tensor) -> torch.Tensor:  # [B, Hq, L, D] → the call's rows [T, Hq, D]
+        out = out.transpose(1, 2)
+        return out.reshape(tokens, q_heads, head_dim) if layout["packed"] else out[inverse, rank]
+
+    gqa = cache_k.shape[-2] != q_heads
+    if layout["fresh"] and window == 0:  # row i of a sequence sees its keys 0..i: causal, no mask (the fused kernels)
         keys = cache_k[ids, :longest].transpose(1, 2)
         values = cache_v[ids, :longest].transpose(1, 2)
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, is_causal=True, scale=scale,
-                                             enable_gqa=keys.shape[1] != q_heads)
-        return out.transpose(1, 2)[inverse, rank]
-    query_positions = positions.new_full((batch, longest), -1)
-    query_positions[inverse, rank] = positions
-    key_positions = torch.arange(keys_len, device=q.device)
-    visible = key_positions[None, None, :] <= query_positions[:, :, None]  # [B, L, K]
-    if window > 0:
-        visible &= key_positions[None, None, :] > query_positions[:, :, None] - window
-    visible |= (query_positions < 0)[:, :, None] & (key_positions == 0)  # padding rows see one key: no NaN
+        return unbatch(F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, is_causal=True,
+                                                      scale=scale, enable_gqa=gqa))
+    keys_len = layout["keys_len"]
+    visible = layout["masks"].get(window)
+    if visible is None:
+        query_positions = positions.new_full((batch, longest), -1)
+        query_positions[inverse, rank] = positions
+        key_positions = torch.arange(keys_len, device=q.device)
+        visible = key_positions[None, None, :] <= query_positions[:, :, None]  # [B, L, K]
+        if window > 0:
+            visible &= key_positions[None, None, :] > query_positions[:, :, None] - window
+        visible |= (query_positions < 0)[:, :, None] & (key_positions == 0)  # padding rows see one key: no NaN
+        visible = layout["masks"][window] = visible[:, None]
     keys = cache_k[ids, :keys_len].transpose(1, 2)  # [B, Hkv, K, D]
     values = cache_v[ids, :keys_len].transpose(1, 2)
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=visible[:, None],
-                                         scale=scale, enable_gqa=keys.shape[1] != q_heads)
-    return out.transpose(1, 2)[inverse, rank]
+    return unbatch(F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=visible,
+                                                  scale=scale, enable_gqa=gqa))
 
 
 if triton is not None:
