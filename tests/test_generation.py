@@ -203,3 +203,15 @@ def test_disable_gives_transformers_its_own_attention_back_after_generate():
     with pytest.raises(ValueError, match=r"call piecewise\.integrations\.transformers\.enable\(model\)"):
         TokenModel(model)(prompt, torch.arange(7), TokenModel(model).make_kv_cache(max_seq_len=16))
     assert piecewise.generate(model, [prompt], 4, stop_tokens=())[0].tolist() == expected.tolist()
+
+
+def test_prefill_calls_past_the_graphs_top_that_finish_no_prompt_give_transformers_tokens():
+    """Prefill calls longer than the graphs' top run the model directly with the output head on the rows that
+    finish a prompt: a call that finishes none (a long prompt's first chunks) has no such row."""
+    model = build("Llama", seed=6)
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 250, (n,), generator=generator) for n in (30, 5)]
+    expected = transformers_greedy(model, prompts, [4, 4], eos=None)
+    got = piecewise.generate(model, prompts, 4, prefill_tokens=12, stop_tokens=(),
+                             config=piecewise.CaptureConfig(max_tokens=8))
+    assert [g.tolist() for g in got] == [e.tolist() for e in expected]

@@ -3,6 +3,8 @@ shape of a serving engine's step), through the attention ``integrations.transfor
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -44,7 +46,9 @@ class TokenModel(nn.Module):
         call.clear()
         call.update(extra)
         try:
-            with one_layout_per_call():  # a long prefill's layout read once, not once per layer
+            # A long prefill's layout read once, not once per layer; not where Dynamo traces this forward (the
+            # compiled code calls the attention op at run time, outside any context manager it traced).
+            with contextlib.nullcontext() if torch.compiler.is_compiling() else one_layout_per_call():
                 out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **keep)
         finally:
             call.clear()

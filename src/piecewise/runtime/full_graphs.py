@@ -180,9 +180,10 @@ def _unpadded(full: FullGraphs, arguments: dict[str, Any], tokens: int) -> Any:
     """What the padded call's real rows must equal: with eager pieces, the model's own forward on the real rows;
     with compiled pieces, the same pieces run on the real rows alone, unpadded (the model's forward would differ
     from them by the compiler's rounding, bf16 Inductor pieces by more than the tolerance, which is not what the
-    padding check asks about: ``verify()`` compares the pieces with eager)."""
+    padding check asks about: ``verify()`` compares the pieces with eager). Breakable's Inductor regions are
+    compared with eager: an unpadded full call would trace them again for its size."""
     runner = full.runner
-    if runner.config.compiler == "eager":
+    if runner.config.compiler == "eager" or runner.frontend.name != "dynamo":
         with forward_context(tokens, tokens, rehearsal=True):
             return runner.model(**arguments)
     staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), tokens, tokens)
