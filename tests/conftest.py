@@ -7,6 +7,11 @@ import torch
 # The persistent cache stays off unless a test gives a directory: an entry another test (or an earlier run) wrote
 # would change what a first call does (auto takes the recorded front-end directly, without its warning).
 os.environ.setdefault("PIECEWISE_CACHE_DIR", "off")
+# On CUDA the default compiler="auto" compiles an Inductor candidate at every first call: the GPU tests give their
+# compiler where it matters and run eager pieces otherwise (tests/gpu/test_search_gpu.py runs the default). On a
+# CPU "auto" takes eager pieces without compiling, so the CPU tests run the default as a user gets it.
+if torch.cuda.is_available():
+    os.environ.setdefault("PIECEWISE_COMPILER", "eager")
 
 GPU_TEST_SECONDS = int(os.environ.get("PIECEWISE_GPU_TEST_SECONDS", "300"))
 """A GPU test still running after this long prints every thread's stack and ends the run (a hang, e.g. a

@@ -183,16 +183,18 @@ def test_batched_slot_attention_equals_the_reference_for_interleaved_sequences(w
 
 
 @pytest.mark.parametrize("start", [0, 6])
-def test_batched_slot_attention_reads_a_calls_layout_once_for_every_layer(start, monkeypatch):
+@pytest.mark.parametrize("order", [(0, 2, 3), (2, 0, 3)])  # ascending slots: the batch is a view of the rows
+def test_batched_slot_attention_reads_a_calls_layout_once_for_every_layer(start, order, monkeypatch):
     """Within ``one_layout_per_call`` (each ``TokenModel`` call) the call's layout is read from the device once
-    and reused by every layer: prompts of equal length one after another (the batch is a view of the rows), from
-    position 0 or a later chunk, layers of their own caches and alternating sliding windows."""
+    and reused by every layer: prompts of equal length one after another (in ascending slots the batch is a view
+    of the rows, its output contiguous), from position 0 or a later chunk, layers of their own caches and
+    alternating sliding windows."""
     from piecewise.kernels import attention as kernels
 
     generator = torch.Generator().manual_seed(start)
-    slots = torch.tensor([2, 0, 3]).repeat_interleave(8)
+    slots = torch.tensor(order).repeat_interleave(8)
     positions = (torch.arange(8) + start).repeat(3)
-    q = torch.randn(24, 4, 16, generator=generator)
+    q = torch.randn(4, 24, 16, generator=generator).transpose(0, 1)  # token-major view, as the integration's
     layers = [[torch.randn(4, 20, 2, 16, generator=generator) for _ in range(2)] for _ in range(4)]
     reads = []
     unique = torch.unique
@@ -200,7 +202,8 @@ def test_batched_slot_attention_reads_a_calls_layout_once_for_every_layer(start,
     with kernels.one_layout_per_call():
         got = [kernels.slot_attention_batched(q, k, v, slots, positions, 0.25, window=3 * (i % 2))
                for i, (k, v) in enumerate(layers)]
-    assert len(reads) == 1
+    assert len(reads) == 1 and all(out.is_contiguous() for out in got)
+    assert kernels._layout(slots, positions)["packed"] == (list(order) == sorted(order))
     for i, (k, v) in enumerate(layers):
         torch.testing.assert_close(got[i], slot_attention_reference(q, k, v, slots, positions, 0.25, 3 * (i % 2)))
     reads.clear()

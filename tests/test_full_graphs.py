@@ -225,3 +225,36 @@ def test_the_padding_check_of_compiled_pieces_compares_them_with_themselves_not_
     careless = piecewise.compile(Careless().eval(), config)
     with torch.no_grad(), pytest.warns(UserWarning, match=r"full graphs are off.*token_mask"):
         careless(torch.randn(3, 8))
+
+
+@piecewise.opaque_op("full_graph_tests::careless_write", split=True, capturable=True, mutates_args=("cache",))
+def careless_write(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    cache.index_copy_(0, positions, x)  # ignores the token mask: pad rows (position 0) write row 0
+    return x + cache[0]  # which every row reads, as attention reads the first key
+
+
+class CarelessWriter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, positions, cache):
+        return self.linear(careless_write(self.linear(x), positions, cache))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_pad_rows_that_write_state_the_real_rows_read_turn_full_graphs_off_and_leave_the_state_alone(frontend):
+    """The unpadded call runs before the padded one in the padding check, so a pad row's write into a row the
+    real rows read shows in their outputs; the check puts the state back, so that the write does not stay."""
+    torch.manual_seed(0)
+    model = CarelessWriter().eval()
+    cache = torch.randn(16, 8)
+    reference = cache.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    x, positions = torch.randn(3, 8), torch.tensor([5, 6, 7])
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"full graphs are off.*token_mask"):
+        out = runner(x, positions, cache)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x, positions, reference))
+    torch.testing.assert_close(cache, reference)
+    runner.stats.expect(graph_mode="piecewise")

@@ -1,6 +1,7 @@
-"""``CaptureConfig(compiler="auto")``: each candidate compiler's runner prepared and timed at the first call, the
-fastest taken; equal to eager; the timing calls are rehearsals (state kept across calls counts real calls only);
-the budget stops the search; the choice is recorded in the persistent cache and taken without a search later."""
+"""``CaptureConfig(compiler="auto")``, the default: each candidate compiler's runner prepared and timed at the
+first call, the fastest taken (Inductor only past the margin); equal to eager; the timing calls are rehearsals
+(state kept across calls counts real calls only); the budget stops the search; the choice is recorded in the
+persistent cache and taken without a search later; ``$PIECEWISE_COMPILER`` sets the default."""
 
 from __future__ import annotations
 
@@ -105,3 +106,27 @@ def test_the_timing_calls_leave_no_trace_in_the_runner(measured):
     runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
     assert runner.stats["padded_calls"] == 3  # the three calls of run(), not the timing calls
     assert runner.last_arguments["input_ids"].shape[0] == 5  # the last call's, not a timing call's
+
+
+def test_inductor_is_taken_only_when_faster_by_the_margin(measured, monkeypatch):
+    """A later candidate must beat eager by more than ``search.MARGIN`` (5%): within it, eager pieces stay."""
+    times = {"eager": 1.0, "inductor": 0.97}
+    monkeypatch.setattr(search, "_timed", lambda trial, arguments: {1: times[trial.config.compiler]})
+    runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    assert runner.config.compiler == "eager"
+    assert "-> eager (Inductor is taken only when more than 5% faster)" in runner.stats["frontend_reason"]
+    times["inductor"] = 0.9
+    runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    assert runner.config.compiler == "inductor"
+
+
+def test_the_default_compiler_is_auto_and_the_environment_sets_another(monkeypatch):
+    monkeypatch.delenv("PIECEWISE_COMPILER", raising=False)
+    assert piecewise.CaptureConfig().compiler == "auto"
+    monkeypatch.setenv("PIECEWISE_COMPILER", "eager")
+    assert piecewise.CaptureConfig().compiler == "eager"
+    assert piecewise.CaptureConfig(compiler="inductor").compiler == "inductor"  # an explicit setting wins
+    monkeypatch.setenv("PIECEWISE_COMPILER", "fast")
+    with pytest.raises(ValueError, match=r"compiler must be one of .* got 'fast' \(from \$PIECEWISE_COMPILER\)"):
+        piecewise.CaptureConfig()
+

@@ -8,7 +8,7 @@
     piecewise generate CHECKPOINT_FOLDER [--random-weights] --prompt-ids 1,2,3 [-n 32]   (cli_tools.py)
 
 RUNNER OPTIONS (``CaptureConfig`` fields): ``--max-tokens N --frontend auto|dynamo|breakable
---compiler eager|inductor --strict``.
+--compiler auto|eager|inductor --strict``.
 
 ``factory()`` returns ``(model, args)`` or ``(model, args, kwargs)``; the file's folder is on the import path while
 it loads. Exit status: 0 capture-safe, 1 blockers found or piecewise refused the model (one line says why and how
@@ -46,8 +46,9 @@ def _add_runner_options(parser: argparse.ArgumentParser) -> None:
     """The ``CaptureConfig`` fields of every command that builds a runner."""
     parser.add_argument("--max-tokens", type=int, default=64, help="largest captured token count (default 64)")
     parser.add_argument("--frontend", default="auto", choices=FRONTENDS, help="front-end (default auto)")
-    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor", "auto"],
-                        help="piece compiler (auto: the faster one, measured at the first call)")
+    parser.add_argument("--compiler", default=None, choices=["eager", "inductor", "auto"],
+                        help="piece compiler (default: $PIECEWISE_COMPILER, else auto: the faster one, measured at "
+                             "the first call on CUDA)")
     parser.add_argument("--strict", action="store_true", help="fail on anything Dynamo cannot trace")
 
 
@@ -56,8 +57,9 @@ def _capture_config(options: argparse.Namespace) -> Any:
     import piecewise
 
     try:
+        given = {"compiler": options.compiler} if options.compiler else {}
         return piecewise.CaptureConfig(max_tokens=options.max_tokens, frontend=options.frontend,
-                                       compiler=options.compiler, strict=options.strict)
+                                       strict=options.strict, **given)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 

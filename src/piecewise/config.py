@@ -60,11 +60,12 @@ class CaptureConfig:
     """Ops (``"ns::name"``) at which the graph is cut and that run eagerly between pieces.
     None: every op registered with ``piecewise.opaque_op(..., split=True)``."""
 
-    compiler: str = "eager"
+    compiler: str = field(default_factory=lambda: os.environ.get("PIECEWISE_COMPILER") or "auto")
     """How each piece is compiled: ``"eager"`` (the FX graph as is), ``"inductor"`` (once, for the symbolic
-    token dimension), or ``"auto"``: each of them tried at the first call and the faster taken, measured on CUDA
-    graphs at a few token counts within ``compile_budget_s`` (``runtime/search.py``; recorded in the persistent
-    cache, so a later process takes it without the search; eager without CUDA)."""
+    token dimension), or ``"auto"`` (the default): each of them tried at the first call and Inductor taken where
+    it is more than 5% faster, measured on CUDA graphs at a few token counts within ``compile_budget_s``
+    (``runtime/search.py``; recorded in the persistent cache, so a later process takes it without the search;
+    eager without CUDA). ``$PIECEWISE_COMPILER`` sets the default (``eager``: no first call compiles Inductor)."""
 
     compile_budget_s: float = 120.0
     """``compiler="auto"``: the first calls' seconds the search may spend; past them it takes the fastest
@@ -135,7 +136,8 @@ class CaptureConfig:
                 f"CaptureConfig.size_schedule must be one of {SIZE_SCHEDULES}, got {self.size_schedule!r}"
             )
         if self.compiler not in COMPILER_CHOICES:
-            raise ValueError(f"CaptureConfig.compiler must be one of {COMPILER_CHOICES}, got {self.compiler!r}")
+            source = " (from $PIECEWISE_COMPILER)" if self.compiler == os.environ.get("PIECEWISE_COMPILER") else ""
+            raise ValueError(f"CaptureConfig.compiler must be one of {COMPILER_CHOICES}, got {self.compiler!r}{source}")
         if self.verify not in VERIFY:
             raise ValueError(f"CaptureConfig.verify must be one of {VERIFY}, got {self.verify!r}")
         if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:

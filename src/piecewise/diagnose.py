@@ -86,8 +86,9 @@ class DoctorReport:
             return taken, (f"frontend='auto' takes it ({reason})" if reason else "frontend='auto' takes it") + inductor
         if self.ok and self.size_notes:
             return "breakable", (f"Dynamo traces the forward whole, but with it {self.size_notes[0]}. With "
-                                 f"compiler='eager' (the default) breakable runs the same pieces at every size, and "
-                                 f"frontend='auto' takes it; with compiler='inductor' auto keeps Dynamo, for the fusion")
+                                 f"eager pieces (compiler='eager', and the eager candidate of the default 'auto') breakable "
+                                 f"runs the same pieces at every size, and frontend='auto' takes it; with Inductor "
+                                 f"pieces auto keeps Dynamo, for the fusion")
         if self.ok:
             return "dynamo", "Dynamo traces the forward whole: its pieces can be compiled with Inductor"
         if self.breakable_blockers is not None and not self.breakable_blockers:

@@ -132,9 +132,10 @@ def slot_attention_batched(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
         query = q.new_zeros(batch, longest, q_heads, head_dim)
         query[inverse, rank] = q
 
-    def unbatch(out: torch.Tensor) -> torch.Tensor:  # [B, Hq, L, D] → the call's rows [T, Hq, D]
+    def unbatch(out: torch.Tensor) -> torch.Tensor:  # [B, Hq, L, D] → the call's rows [T, Hq, D], contiguous as the
+        # op's fake says (SDPA's output may follow the query's strides)
         out = out.transpose(1, 2)
-        return out.reshape(tokens, q_heads, head_dim) if layout["packed"] else out[inverse, rank]
+        return out.reshape(tokens, q_heads, head_dim).contiguous() if layout["packed"] else out[inverse, rank]
 
     gqa = cache_k.shape[-2] != q_heads
     if layout["fresh"] and window == 0:  # row i of a sequence sees its keys 0..i: causal, no mask (the fused kernels)

@@ -157,18 +157,27 @@ class FullGraphs:
 
 def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int) -> None:
     """The padded rows of a full-graph call must not change the real ones: compare a call padded to the next full
-    size with the unpadded call (the model's splitting ops run on the padded rows with the token mask)."""
+    size with the unpadded call (the model's splitting ops run on the padded rows with the token mask). The
+    unpadded call runs first, so that pad rows writing state the real rows then read (a KV cache row) show in the
+    outputs; the static tensors (arguments and the model's buffers) are put back as they were before the padded
+    call, so that a careless op's pad rows leave nothing behind (where a copy of them fits in memory)."""
     runner = full.runner
     size = next((s for s in full.sizes if s > tokens and full.bucket(s) == s), None)
     if size is None:
         return
+    exact = _unpadded(full, arguments, tokens)
+    state = [t for name, t in arguments.items() if isinstance(t, torch.Tensor) and name not in runner.arguments.dynamic]
+    state += list(runner.model.buffers())
+    saved = [t.clone() for t in state] if _copy_fits(state) else None
     try:
         padded = full.run(arguments, tokens, size, rehearsal=True)
     except Exception as exc:  # noqa: BLE001 - an op refusing the padded rows (FullGraphRefused, its own check)
         full.refuse(f"the forward padded from {tokens} to {size} tokens for a full graph fails: {exc}")
         return
+    finally:
+        for tensor, copy in zip(state, saved or []):
+            tensor.copy_(copy)
     padded = map_tensors(padded, lambda t: t[:tokens].clone() if t.dim() and t.shape[0] == size else t.clone())
-    exact = _unpadded(full, arguments, tokens)
     for got, want in zip(torch.utils._pytree.tree_leaves(padded), torch.utils._pytree.tree_leaves(exact)):
         if isinstance(want, torch.Tensor) and rel_error(got, want) > tolerance(want.dtype):
             full.refuse(f"the padded rows of a {size}-token full graph change the real rows of a {tokens}-token "
@@ -176,17 +185,29 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
             return
 
 
+def _copy_fits(tensors: list[torch.Tensor]) -> bool:
+    """Whether copies of ``tensors`` fit beside what the padded call needs: on CUDA, a quarter of the free memory."""
+    needed = sum(t.numel() * t.element_size() for t in tensors)
+    devices = {t.device for t in tensors if t.is_cuda}
+    return all(needed <= torch.cuda.mem_get_info(device)[0] // 4 for device in devices)
+
+
 def _unpadded(full: FullGraphs, arguments: dict[str, Any], tokens: int) -> Any:
     """What the padded call's real rows must equal: with eager pieces, the model's own forward on the real rows;
-    with compiled pieces, the same pieces run on the real rows alone, unpadded (the model's forward would differ
-    from them by the compiler's rounding, bf16 Inductor pieces by more than the tolerance, which is not what the
-    padding check asks about: ``verify()`` compares the pieces with eager). Breakable's Inductor regions are
-    compared with eager: an unpadded full call would trace them again for its size."""
+    with compiled pieces, the same pieces run as a full call on the real rows alone, unpadded (the model's forward
+    would differ from them by the compiler's rounding, bf16 Inductor pieces by more than
+    the tolerance, which is not what the padding check asks about: ``verify()`` compares the pieces with eager).
+    Breakable's Inductor regions, a count below the ladder's first size, or an op that refuses the count inline:
+    the eager forward."""
     runner = full.runner
-    if runner.config.compiler == "eager" or runner.frontend.name != "dynamo":
-        with forward_context(tokens, tokens, rehearsal=True):
-            return runner.model(**arguments)
-    staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), tokens, tokens)
-    mask = torch.ones(tokens, dtype=torch.bool, device=full.mask.device)
-    output = runner.run_call(Call(Phase.PADDED, tokens, tokens, full=True), staged, rehearsal=True, token_mask=mask)
-    return map_tensors(output, lambda t: t.clone())
+    if runner.config.compiler != "eager" and runner.frontend.name == "dynamo" and tokens >= runner.ladder.sizes[0]:
+        staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), tokens, tokens)
+        mask = torch.ones(tokens, dtype=torch.bool, device=full.mask.device)
+        try:
+            output = runner.run_call(Call(Phase.PADDED, tokens, tokens, full=True), staged, rehearsal=True,
+                                     token_mask=mask)
+            return map_tensors(output, lambda t: t.clone())
+        except Exception:  # noqa: BLE001 - an op that refuses this count inline (FullGraphRefused): eager, then
+            pass
+    with forward_context(tokens, tokens, rehearsal=True):
+        return runner.model(**arguments)

@@ -7,7 +7,9 @@ padded past ``max_padding_factor``) run the same forward without padding or grap
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
@@ -87,15 +89,22 @@ class PiecewiseModel(Core):
         return self.finish(output, tokens, size)
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
-        if self.config.compiler == "auto":  # each compiler's runner prepared and timed: the fastest's state is ours
+        auto = self.config.compiler == "auto"
+        if auto and search.measures(self):  # each compiler's runner prepared and timed: the fastest's state is ours
             search.choose(self, (), arguments)
             return
+        given = self.config
+        if auto:  # nothing to measure (no CUDA graphs): prepared exactly as with compiler="eager"
+            self.config = dataclasses.replace(given, compiler="eager")
+        started = time.perf_counter()
         self._prepared = True
         try:
             first_call.prepare(self, arguments)
         except Exception:
-            self._prepared = False  # the next call checks again (and fails the same way)
+            self._prepared, self.config = False, given  # the next call checks again (and fails the same way)
             raise
+        if auto:
+            search.unmeasured(self, time.perf_counter() - started)
 
     def _run_direct(self, arguments: dict[str, Any], tokens: int) -> Any:
         """Without padding or graphs. Token arguments go in as aliases made here, in inference mode, like the

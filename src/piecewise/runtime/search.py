@@ -5,8 +5,9 @@ first call's arguments (its front-end chosen as ``frontend`` says, its checks ru
 timed at a few representative token counts (1, 8, 32 and the top of the graphs, where captured) with calls made
 from the first call's rows. The calls are rehearsals (``piecewise.context().rehearsal``): splitting ops that keep
 state across calls skip them, and the rows they write are the first call's own. The fastest candidate's runner
-becomes this one; the others' graphs and pools are released. Candidates are tried in order while the first
-calls' seconds stay within ``compile_budget_s``; past it, the fastest of those measured is taken.
+becomes this one (a later one only when more than ``MARGIN`` faster); the others' graphs and pools are
+released. Candidates are tried in order while the first calls' seconds stay within ``compile_budget_s``; past
+it, the fastest of those measured is taken.
 
 The choice, with every candidate's times, goes into ``stats["frontend_reason"]`` and ``stats["candidates"]``, and
 into the persistent cache (``piecewise.cache``): a later process takes the recorded compiler without the search.
@@ -27,8 +28,24 @@ logger = logging.getLogger(__name__)
 
 CANDIDATES = ("eager", "inductor")
 SIZES = (1, 8, 32)
+MARGIN = 0.05
+"""A candidate after the first (Inductor after eager) is taken only when its summed ms are this much lower: a
+tie within the noise keeps eager pieces (no compile in later processes, eager's exact numerics)."""
 MEASURE_WITHOUT_CUDA = False
 """Tests set it to run the search on a CPU (no graphs: the times mean nothing there)."""
+
+
+def measures(runner) -> bool:
+    """Whether the search has something to measure: CUDA graphs of a model on CUDA."""
+    devices = {t.device.type for t in runner.model.parameters()}
+    return (runner.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()) or MEASURE_WITHOUT_CUDA
+
+
+def unmeasured(runner, seconds: float) -> None:
+    """``runner`` prepared with eager pieces since there was nothing to measure: its table and reason say so."""
+    runner.stats.candidates = [{"compiler": "eager", "first_call_s": seconds, "ms": {}}]
+    reason = "compiler 'eager' (no CUDA graphs: nothing to measure, eager pieces compile nothing)"
+    runner.stats.frontend_reason = (runner.stats.frontend_reason + "; " if runner.stats.frontend_reason else "") + reason
 
 
 def choose(runner, args: tuple, kwargs: dict) -> None:
@@ -40,8 +57,7 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     runner.arguments.token_count(arguments)
     store, key, described, entry = cache.open_entry(runner.model, config, list(runner.arguments.dynamic))
     recorded = entry.get("compiler") if entry is not None else None
-    devices = {t.device.type for t in runner.model.parameters()}
-    measure = (config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()) or MEASURE_WITHOUT_CUDA
+    measure = measures(runner)
     if recorded in CANDIDATES:
         order, why = (recorded,), "recorded in the cache by an earlier first call"
     elif not measure:
@@ -58,7 +74,10 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     if len(rows) < len(order) and not why:  # stopped before the last candidate
         why = f"compile budget {config.compile_budget_s:.0f} s spent after " + ", ".join(r["compiler"] for r in rows)
     common = set.intersection(*(set(r["ms"]) for r in measured)) if all(r["ms"] for r in measured) else set()
-    chosen = min(measured, key=lambda r: sum(ms for n, ms in r["ms"].items() if n in common))
+    chosen = measured[0]
+    for row in measured[1:]:  # a later (compiling) candidate must win by the margin: noise never buys its rounding
+        if _total(row, common) < _total(chosen, common) * (1 - MARGIN):
+            chosen = row
     for row in measured:
         if row is not chosen:
             row["runner"].release_graphs()
@@ -68,9 +87,12 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     if not why or why.startswith("the recorded"):
         why = (why + "; " if why else "") + "measured: " + "; ".join(
             f"{r['compiler']} " + (", ".join(f"{n}: {ms:.3f} ms" for n, ms in r["ms"].items()) if "ms" in r
-                                   else r["error"]) for r in rows) + f" -> {chosen['compiler']}"
+                                   else r["error"]) for r in rows) + f" -> {chosen['compiler']}" + (
+            f" (Inductor is taken only when more than {MARGIN:.0%} faster)" if chosen is measured[0] and any(_total(r, common) < _total(chosen, common) for r in measured[1:]) else "")
     trial = chosen["runner"]
-    runner.__dict__.update({k: v for k, v in trial.__dict__.items()})
+    # One attribute dict for both: the trial's parts that point back at it (its full graphs, its front-end's
+    # callbacks) see what the runner assigns later (a token argument first given after the first call, ...).
+    runner.__dict__ = trial.__dict__
     runner.stats.candidates = table
     runner.stats.frontend_reason = (runner.stats.frontend_reason + "; " if runner.stats.frontend_reason else "") + \
         f"compiler {chosen['compiler']!r} ({why})"
@@ -82,6 +104,10 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
                                     "frontend_reason": runner.stats.frontend_reason, "first_call_s": spent})
 
 
+def _total(row: dict, sizes: set) -> float:
+    return sum(ms for n, ms in row["ms"].items() if n in sizes)
+
+
 def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[list, float, list]:
     """Each compiler of ``order`` prepared and timed while the first calls' seconds stay within the budget:
     (rows of the table, seconds spent, the exceptions of those that failed)."""
@@ -91,6 +117,7 @@ def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[li
             break
         trial = type(runner)(runner.model, dataclasses.replace(config, compiler=compiler),
                              dict(runner.arguments.dynamic))
+        trial.arguments.dynamic_given = runner.arguments.dynamic_given  # found, not given: later tensors too
         started = time.perf_counter()
         try:
             trial.capture(**arguments)
