@@ -295,3 +295,35 @@ def _glm_moe_worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> N
 def test_the_glm_moe_example_on_two_ranks_equals_the_whole_model(nvfp4, in_graph):
     """Routed and shared experts keep half their intermediate dimension, one all-reduce per MoE block."""
     run_ranks(_glm_moe_worker, nvfp4, in_graph)
+
+
+def _search_worker(rank: int, init_file: str) -> None:
+    """The default compiler="auto" with its timing faked per rank: rank 0 finds eager faster, rank 1 Inductor;
+    then a budget only rank 0 has spent. Every rank must take the same, or their first calls' collectives part."""
+    from piecewise.capture import compilers
+    from piecewise.runtime import search
+
+    search.MEASURE_WITHOUT_CUDA = True  # no graphs on a CPU: the faked times exercise the choice
+    compilers.InductorCompiler.compile = lambda self, graph, example_inputs: graph.forward  # no compile needed
+    times = [{"eager": 1.0, "inductor": 2.0}, {"eager": 2.0, "inductor": 0.5}][rank]
+    search._timed = lambda trial, arguments: {1: times[trial.config.compiler]}
+    with gloo_rank(rank, init_file):
+        model, (ids, positions, _) = example(tokens=5, **CONFIG)
+        with torch.no_grad():
+            expected = model(ids, positions, model.make_kv_cache())
+        tensor_parallel_llama(model)
+        choices = []
+        for budget in (120.0, 1e-3 if rank == 0 else 120.0):
+            runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compile_budget_s=budget,
+                                                                      cache_dir=None))
+            with torch.no_grad():
+                out = runner(ids, positions, model.make_kv_cache())
+            assert rel_error(out, expected) <= 1e-5
+            choices.append([c["compiler"] for c in runner.stats["candidates"]] + [runner.config.compiler])
+        assert choices == [["eager", "inductor", "eager"], ["eager", "eager"]], choices  # slowest rank's times
+
+
+def test_ranks_agree_on_the_compiler_search():
+    """Each rank's times differ; the ranks compare the slowest rank's times, so all take one compiler, and a
+    compile budget spent on one rank stops the search on all."""
+    run_ranks(_search_worker)

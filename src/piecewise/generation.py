@@ -210,7 +210,8 @@ def generate(model: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: 
     ``top_p``, reproducibly for a given ``seed``. ``stop_tokens`` (default: the model's ``eos_token_id``) end a
     sequence and are kept. ``max_batch`` sequences share the KV cache's slots; ``prefill_tokens`` bounds a
     prefill call. ``config`` is the runner's (default ``CaptureConfig(max_tokens=max(max_batch, 512))``: graphs
-    for decode steps and short prefills; a longer prefill call runs the pieces without them). ``on_token(index,
+    for decode steps and short prefills, a longer prefill call runs without them; on CUDA its first call measures
+    eager and Inductor pieces, as every default config does). ``on_token(index,
     token)`` is called as each token comes (see also ``generate_stream``)."""
     out: list[list[int]] = [[] for _ in prompts]
     for index, token in generate_stream(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import time
 from typing import Any
@@ -57,6 +58,10 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     runner.arguments.token_count(arguments)
     store, key, described, entry = cache.open_entry(runner.model, config, list(runner.arguments.dynamic))
     recorded = entry.get("compiler") if entry is not None else None
+    index = CANDIDATES.index(recorded) + 1 if recorded in CANDIDATES else 0
+    highest, lowest = _agreed([index, -index])
+    if highest != -lowest:  # ranks whose caches differ: every rank searches (their first calls meet)
+        recorded = None
     measure = measures(runner)
     if recorded in CANDIDATES:
         order, why = (recorded,), "recorded in the cache by an earlier first call"
@@ -74,9 +79,11 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     if len(rows) < len(order) and not why:  # stopped before the last candidate
         why = f"compile budget {config.compile_budget_s:.0f} s spent after " + ", ".join(r["compiler"] for r in rows)
     common = set.intersection(*(set(r["ms"]) for r in measured)) if all(r["ms"] for r in measured) else set()
+    # Every rank takes the same candidate: each one's time is the slowest rank's.
+    totals = dict(zip(map(id, rows), _agreed([_total(r, common) if "runner" in r else math.inf for r in rows])))
     chosen = measured[0]
     for row in measured[1:]:  # a later (compiling) candidate must win by the margin: noise never buys its rounding
-        if _total(row, common) < _total(chosen, common) * (1 - MARGIN):
+        if totals[id(row)] < totals[id(chosen)] * (1 - MARGIN):
             chosen = row
     for row in measured:
         if row is not chosen:
@@ -88,7 +95,8 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
         why = (why + "; " if why else "") + "measured: " + "; ".join(
             f"{r['compiler']} " + (", ".join(f"{n}: {ms:.3f} ms" for n, ms in r["ms"].items()) if "ms" in r
                                    else r["error"]) for r in rows) + f" -> {chosen['compiler']}" + (
-            f" (Inductor is taken only when more than {MARGIN:.0%} faster)" if chosen is measured[0] and any(_total(r, common) < _total(chosen, common) for r in measured[1:]) else "")
+            f" (Inductor is taken only when more than {MARGIN:.0%} faster)" if chosen is measured[0] and any(
+                totals[id(r)] < totals[id(chosen)] for r in measured[1:]) else "")
     trial = chosen["runner"]
     # One attribute dict for both: the trial's parts that point back at it (its full graphs, its front-end's
     # callbacks) see what the runner assigns later (a token argument first given after the first call, ...).
@@ -104,6 +112,22 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
                                     "frontend_reason": runner.stats.frontend_reason, "first_call_s": spent})
 
 
+def _agreed(values: list[float]) -> list[float]:
+    """Each of ``values``' largest over the ranks when ``torch.distributed`` runs (else ``values``): the ranks of
+    a tensor-parallel model must try the same candidates, since their first calls meet at collectives, and take
+    the same one."""
+    from .capture_sizes import distributed
+
+    if not distributed():
+        return list(values)
+    import torch.distributed as dist
+
+    nccl = dist.get_backend() == "nccl"
+    tensor = torch.tensor(values, dtype=torch.float64, device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def _total(row: dict, sizes: set) -> float:
     return sum(ms for n, ms in row["ms"].items() if n in sizes)
 
@@ -113,7 +137,8 @@ def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[li
     (rows of the table, seconds spent, the exceptions of those that failed)."""
     rows, spent, failures = [], 0.0, []
     for compiler in order:
-        if any("runner" in r for r in rows) and spent > config.compile_budget_s:
+        spent_all = any("runner" in r for r in rows) and spent > config.compile_budget_s
+        if rows and _agreed([float(spent_all)])[0]:  # any rank past the budget stops every rank
             break
         trial = type(runner)(runner.model, dataclasses.replace(config, compiler=compiler),
                              dict(runner.arguments.dynamic))
