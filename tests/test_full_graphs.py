@@ -258,3 +258,25 @@ def test_pad_rows_that_write_state_the_real_rows_read_turn_full_graphs_off_and_l
         torch.testing.assert_close(out, model(x, positions, reference))
     torch.testing.assert_close(cache, reference)
     runner.stats.expect(graph_mode="piecewise")
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, positions, cache, scale):
+        return self.model(ids, positions, cache) * scale.sum()
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_static_argument_that_cannot_be_written_is_left_out_of_the_padding_checks_state(frontend):
+    """An expanded view (stride 0) as a static argument: nothing can write it, and copying it back would fail."""
+    model, ids, positions, cache = llama()
+    scale = torch.ones(1, 3).expand(2, 3)
+    runner = piecewise.compile(Scaled(model), piecewise.CaptureConfig(max_tokens=16, frontend=frontend))
+    reference = cache.clone()
+    with torch.no_grad():
+        out = runner(ids[:3], positions[:3], cache, scale)
+        torch.testing.assert_close(out, model(ids[:3], positions[:3], reference) * 6)
+    runner.stats.expect(graph_mode="full_and_piecewise")

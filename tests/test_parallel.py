@@ -323,7 +323,40 @@ def _search_worker(rank: int, init_file: str) -> None:
         assert choices == [["eager", "inductor", "eager"], ["eager", "eager"]], choices  # slowest rank's times
 
 
-def test_ranks_agree_on_the_compiler_search():
+def _failing_trial_worker(rank: int, init_file: str, cache_dir: str) -> None:
+    """The compiler recorded in a shared cache (eager) fails on rank 1 only, after its collectives: both ranks go
+    back to the search together and take the one candidate that works on both."""
+    from piecewise.capture import compilers
+    from piecewise.runtime import first_call, search
+
+    search.MEASURE_WITHOUT_CUDA = True
+    compilers.InductorCompiler.compile = lambda self, graph, example_inputs: graph.forward
+    search._timed = lambda trial, arguments: {1: {"eager": 1.0, "inductor": 2.0}[trial.config.compiler]}
+    prepare, failing = first_call.prepare, [False]
+
+    def prepare_failing_on_rank_1(core, arguments):
+        prepare(core, arguments)
+        if failing[0] and rank == 1 and core.config.compiler == "eager":
+            raise RuntimeError("the eager candidate fails on rank 1 only")
+
+    first_call.prepare = prepare_failing_on_rank_1
+    with gloo_rank(rank, init_file):
+        model, (ids, positions, _) = example(tokens=5, **CONFIG)
+        with torch.no_grad():
+            expected = model(ids, positions, model.make_kv_cache())
+        tensor_parallel_llama(model)
+        taken = []
+        for fail in (False, True):
+            failing[0] = fail
+            runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=cache_dir))
+            with torch.no_grad():
+                assert rel_error(runner(ids, positions, model.make_kv_cache()), expected) <= 1e-5
+            taken.append(runner.config.compiler)
+        assert taken == ["eager", "inductor"], taken
+
+
+def test_ranks_agree_on_the_compiler_search(tmp_path):
     """Each rank's times differ; the ranks compare the slowest rank's times, so all take one compiler, and a
-    compile budget spent on one rank stops the search on all."""
+    compile budget spent on one rank stops the search on all; a candidate failing on one rank is failed on all."""
     run_ranks(_search_worker)
+    run_ranks(_failing_trial_worker, str(tmp_path / "cache"))

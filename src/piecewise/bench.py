@@ -24,8 +24,8 @@ MODES: dict[str, dict] = {
     "dynamo+full": dict(frontend="dynamo", compiler="eager", graph_mode="full_and_piecewise"),
     "dynamo+inductor": dict(frontend="dynamo", compiler="inductor", graph_mode="piecewise"),
     "dynamo+inductor+full": dict(frontend="dynamo", compiler="inductor", graph_mode="full_and_piecewise"),
-    "breakable": dict(frontend="breakable", graph_mode="piecewise"),
-    "breakable+full": dict(frontend="breakable", graph_mode="full_and_piecewise"),
+    "breakable": dict(frontend="breakable", compiler="eager", graph_mode="piecewise"),
+    "breakable+full": dict(frontend="breakable", compiler="eager", graph_mode="full_and_piecewise"),
     "breakable+inductor": dict(frontend="breakable", compiler="inductor", graph_mode="piecewise"),
     "breakable+inductor+full": dict(frontend="breakable", compiler="inductor", graph_mode="full_and_piecewise"),
 }
@@ -98,7 +98,7 @@ def measure(model: torch.nn.Module, calls: list[Call], modes: dict[str, dict], *
             rows[0].ms[call.label] = _timed(lambda call=call: model(*call.args, **call.kwargs), rounds, iters)
             rows[0].rel_error[call.label] = 0.0
         progress("eager")
-        for name, fields in [*modes.items(), ("auto", {})]:
+        for name, fields in [*modes.items(), ("auto", {"compiler": "auto"})]:
             row = Row(name, fields)
             rows.append(row)
             try:
@@ -114,7 +114,7 @@ def measure(model: torch.nn.Module, calls: list[Call], modes: dict[str, dict], *
                     row.ms[call.label] = _timed(lambda call=call: runner(*call.args, **call.kwargs), rounds, iters)
                 stats = runner.stats
                 row.pool_bytes = stats["pool_bytes"]
-                row.chosen = f"{stats['frontend']}, {stats['graph_mode']}"
+                row.chosen = f"{stats['frontend']}, {runner.config.compiler} pieces, {stats['graph_mode']}"
             except Exception as exc:  # noqa: BLE001 - a mode the model cannot take is a row of the table
                 row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             finally:

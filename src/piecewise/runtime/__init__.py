@@ -36,7 +36,7 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: s
     tokens = binder.token_count(binder.bind(tuple(args), dict(kwargs)))
     breaks = frontend == "dynamo-breaks"  # Dynamo with graph breaks: auto's last candidate
     config = CaptureConfig(max_tokens=max(DOCTOR_MAX_TOKENS, tokens), frontend="dynamo" if breaks else frontend,
-                           strict=frontend == "dynamo")
+                           strict=frontend == "dynamo", compiler="eager")  # what blocks capture, not what is fast
     runner = PiecewiseModel(model, config, None)
     try:
         with warnings.catch_warnings():

@@ -167,22 +167,39 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
         return
     exact = _unpadded(full, arguments, tokens)
     state = [t for name, t in arguments.items() if isinstance(t, torch.Tensor) and name not in runner.arguments.dynamic]
-    state += list(runner.model.buffers())
-    saved = [t.clone() for t in state] if _copy_fits(state) else None
+    state = _writable([*state, *runner.model.buffers()])
+    saved = [t.clone() for t in state] if _copy_fits(state) else []
     try:
         padded = full.run(arguments, tokens, size, rehearsal=True)
+        padded = map_tensors(padded, lambda t: t[:tokens].clone() if t.dim() and t.shape[0] == size else t.clone())
     except Exception as exc:  # noqa: BLE001 - an op refusing the padded rows (FullGraphRefused, its own check)
         full.refuse(f"the forward padded from {tokens} to {size} tokens for a full graph fails: {exc}")
         return
     finally:
-        for tensor, copy in zip(state, saved or []):
+        for tensor, copy in zip(state, saved):
             tensor.copy_(copy)
-    padded = map_tensors(padded, lambda t: t[:tokens].clone() if t.dim() and t.shape[0] == size else t.clone())
     for got, want in zip(torch.utils._pytree.tree_leaves(padded), torch.utils._pytree.tree_leaves(exact)):
         if isinstance(want, torch.Tensor) and rel_error(got, want) > tolerance(want.dtype):
             full.refuse(f"the padded rows of a {size}-token full graph change the real rows of a {tokens}-token "
                         f"call: a capturable splitting op does not honour piecewise.context().token_mask")
             return
+
+
+def _writable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors an op could have written in place, each storage once: dense, no element aliased by another
+    (an expanded view cannot be written, nor put back)."""
+    seen, out = set(), []
+    for tensor in tensors:
+        if tensor.layout is not torch.strided or type(tensor) is not torch.Tensor and not isinstance(
+                tensor, torch.nn.Parameter):
+            continue
+        if any(stride == 0 and n > 1 for stride, n in zip(tensor.stride(), tensor.shape)):
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if key not in seen:
+            seen.add(key)
+            out.append(tensor)
+    return out
 
 
 def _copy_fits(tensors: list[torch.Tensor]) -> bool:

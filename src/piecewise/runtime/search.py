@@ -37,8 +37,9 @@ MEASURE_WITHOUT_CUDA = False
 
 
 def measures(runner) -> bool:
-    """Whether the search has something to measure: CUDA graphs of a model on CUDA."""
-    devices = {t.device.type for t in runner.model.parameters()}
+    """Whether the search has something to measure: CUDA graphs of a model on CUDA (the same answer on every rank
+    of a process group, which all run the search or none)."""
+    devices = {t.device.type for t in (*runner.model.parameters(), *runner.model.buffers())}
     return (runner.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()) or MEASURE_WITHOUT_CUDA
 
 
@@ -122,8 +123,9 @@ def _agreed(values: list[float]) -> list[float]:
         return list(values)
     import torch.distributed as dist
 
-    nccl = dist.get_backend() == "nccl"
-    tensor = torch.tensor(values, dtype=torch.float64, device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu")
+    backend = str(dist.get_backend())  # "gloo", "nccl", "cpu:gloo,cuda:nccl", "undefined" (both), ...
+    on_cpu = any(name in backend for name in ("gloo", "mpi", "undefined")) or not torch.cuda.is_available()
+    tensor = torch.tensor(values, dtype=torch.float64, device="cpu" if on_cpu else f"cuda:{torch.cuda.current_device()}")
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
 
@@ -146,9 +148,18 @@ def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[li
         started = time.perf_counter()
         try:
             trial.capture(**arguments)
+            error = None
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot take the model is a row of the table
-            failures.append(exc)
-            rows.append({"compiler": compiler, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
+            error = exc
+        if error is None and _agreed([0.0])[0]:  # it failed on another rank: no rank takes or times it
+            trial.release_graphs()
+            error = RuntimeError(f"compiler={compiler!r} failed on another rank of the process group")
+        elif error is not None:
+            _agreed([1.0])
+        if error is not None:
+            failures.append(error)
+            rows.append({"compiler": compiler,
+                         "error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"})
             continue
         first = time.perf_counter() - started
         spent += first
