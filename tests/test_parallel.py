@@ -297,21 +297,32 @@ def test_the_glm_moe_example_on_two_ranks_equals_the_whole_model(nvfp4, in_graph
     run_ranks(_glm_moe_worker, nvfp4, in_graph)
 
 
-def _search_worker(rank: int, init_file: str) -> None:
-    """The default compiler="auto" with its timing faked per rank: rank 0 finds eager faster, rank 1 Inductor;
-    then a budget only rank 0 has spent. Every rank must take the same, or their first calls' collectives part."""
+def _fake_search(times: dict[str, float]) -> None:
+    """The search on a CPU rank: no graphs, so the faked ``times`` (ms per compiler) exercise the choice, and
+    Inductor's pieces are the FX graphs as they are (nothing to compile)."""
     from piecewise.capture import compilers
     from piecewise.runtime import search
 
-    search.MEASURE_WITHOUT_CUDA = True  # no graphs on a CPU: the faked times exercise the choice
-    compilers.InductorCompiler.compile = lambda self, graph, example_inputs: graph.forward  # no compile needed
-    times = [{"eager": 1.0, "inductor": 2.0}, {"eager": 2.0, "inductor": 0.5}][rank]
+    search.MEASURE_WITHOUT_CUDA = True
+    compilers.InductorCompiler.compile = lambda self, graph, example_inputs: graph.forward
     search._timed = lambda trial, arguments: {1: times[trial.config.compiler]}
+
+
+def _sharded_example():
+    """(the example model sharded over the ranks, ids, positions, the unsharded model's output)."""
+    model, (ids, positions, _) = example(tokens=5, **CONFIG)
+    with torch.no_grad():
+        expected = model(ids, positions, model.make_kv_cache())
+    tensor_parallel_llama(model)
+    return model, ids, positions, expected
+
+
+def _search_worker(rank: int, init_file: str) -> None:
+    """The default compiler="auto" with its timing faked per rank: rank 0 finds eager faster, rank 1 Inductor;
+    then a budget only rank 0 has spent. Every rank must take the same, or their first calls' collectives part."""
+    _fake_search([{"eager": 1.0, "inductor": 2.0}, {"eager": 2.0, "inductor": 0.5}][rank])
     with gloo_rank(rank, init_file):
-        model, (ids, positions, _) = example(tokens=5, **CONFIG)
-        with torch.no_grad():
-            expected = model(ids, positions, model.make_kv_cache())
-        tensor_parallel_llama(model)
+        model, ids, positions, expected = _sharded_example()
         choices = []
         for budget in (120.0, 1e-3 if rank == 0 else 120.0):
             runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compile_budget_s=budget,
@@ -326,12 +337,9 @@ def _search_worker(rank: int, init_file: str) -> None:
 def _failing_trial_worker(rank: int, init_file: str, cache_dir: str) -> None:
     """The compiler recorded in a shared cache (eager) fails on rank 1 only, after its collectives: both ranks go
     back to the search together and take the one candidate that works on both."""
-    from piecewise.capture import compilers
-    from piecewise.runtime import first_call, search
+    from piecewise.runtime import first_call
 
-    search.MEASURE_WITHOUT_CUDA = True
-    compilers.InductorCompiler.compile = lambda self, graph, example_inputs: graph.forward
-    search._timed = lambda trial, arguments: {1: {"eager": 1.0, "inductor": 2.0}[trial.config.compiler]}
+    _fake_search({"eager": 1.0, "inductor": 2.0})
     prepare, failing = first_call.prepare, [False]
 
     def prepare_failing_on_rank_1(core, arguments):
@@ -341,10 +349,7 @@ def _failing_trial_worker(rank: int, init_file: str, cache_dir: str) -> None:
 
     first_call.prepare = prepare_failing_on_rank_1
     with gloo_rank(rank, init_file):
-        model, (ids, positions, _) = example(tokens=5, **CONFIG)
-        with torch.no_grad():
-            expected = model(ids, positions, model.make_kv_cache())
-        tensor_parallel_llama(model)
+        model, ids, positions, expected = _sharded_example()
         taken = []
         for fail in (False, True):
             failing[0] = fail
