@@ -162,8 +162,9 @@ def _stream(model, prompts, limits, temperature, top_k, top_p, seed, stop_tokens
             ids, positions, slots = torch.cat(ids), torch.cat(positions), torch.cat(slots)
             last = [row for row, _ in rows]
             if ids.shape[0] > top:  # a long prefill runs without graphs anyway: the output head on its last rows only
+                rows_kept = torch.tensor(last, dtype=torch.long, device=device)  # long even when empty
                 with runner_call(), runner.watch:  # as the runner's own call: what the forward assigns is its own
-                    logits = token_model(ids, positions, cache, slots, logits_rows=torch.tensor(last, dtype=torch.long, device=device))
+                    logits = token_model(ids, positions, cache, slots, logits_rows=rows_kept)
             else:
                 logits = runner(ids, positions, cache, slots)[last]
             tokens = sample(logits, temperature, top_k, top_p, generator).tolist()

@@ -166,8 +166,8 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
     if size is None:
         return
     exact = _unpadded(full, arguments, tokens)
-    state = [t for name, t in arguments.items() if isinstance(t, torch.Tensor) and name not in runner.arguments.dynamic]
-    state = _writable([*state, *runner.model.buffers()])
+    static = [t for name, t in arguments.items() if isinstance(t, torch.Tensor) and name not in runner.arguments.dynamic]
+    state = _writable([*static, *runner.model.buffers()])
     saved = [t.clone() for t in state] if _copy_fits(state) else []
     try:
         padded = full.run(arguments, tokens, size, rehearsal=True)
@@ -190,10 +190,8 @@ def _writable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     (an expanded view cannot be written, nor put back)."""
     seen, out = set(), []
     for tensor in tensors:
-        if tensor.layout is not torch.strided or type(tensor) is not torch.Tensor and not isinstance(
-                tensor, torch.nn.Parameter):
-            continue
-        if any(stride == 0 and n > 1 for stride, n in zip(tensor.stride(), tensor.shape)):
+        if tensor.layout is not torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or any(
+                stride == 0 and n > 1 for stride, n in zip(tensor.stride(), tensor.shape)):
             continue
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
         if key not in seen:

@@ -51,7 +51,8 @@ def unmeasured(runner, seconds: float) -> None:
 
 
 def choose(runner, args: tuple, kwargs: dict) -> None:
-    """Replace ``runner``'s state with that of the fastest candidate's prepared runner."""
+    """Replace ``runner``'s state with that of the fastest candidate's prepared runner (where ``measures``; else
+    the runner is prepared with eager pieces as it is, and ``unmeasured`` says so)."""
     from .. import cache
 
     config = runner.config
@@ -63,15 +64,12 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     highest, lowest = _agreed([index, -index])
     if highest != -lowest:  # ranks whose caches differ: every rank searches (their first calls meet)
         recorded = None
-    measure = measures(runner)
     if recorded in CANDIDATES:
         order, why = (recorded,), "recorded in the cache by an earlier first call"
-    elif not measure:
-        order, why = ("eager",), "no CUDA graphs: nothing to measure, eager pieces compile nothing"
     else:
         order, why = CANDIDATES, ""
     rows, spent, failures = _trials(runner, arguments, order, config)
-    if not any("runner" in r for r in rows) and recorded is not None and measure:  # the recorded one fails now
+    if not any("runner" in r for r in rows) and recorded is not None:  # the recorded one fails now
         order, why = CANDIDATES, f"the recorded {recorded!r} failed now: {rows[0].get('error', '')}"
         rows, spent, failures = _trials(runner, arguments, order, config)
     measured = [r for r in rows if "runner" in r]
