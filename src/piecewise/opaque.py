@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .errors import FakeMismatch
-from .fakes import fake_mismatch
+from .fakes import contiguous_outputs, fake_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class OpaqueOpInfo:
     """Whether the op may run inside a full CUDA graph for a call (see ``opaque_op``)."""
     fake_mismatch: str | None = None
     """What the fake got wrong at the op's first eager call (``fakes.fake_mismatch``); ``compile`` refuses it."""
+    contiguous: bool = False
+    """The fake returns contiguous tensors (seen at the first eager call): so do the op's calls (a copy where not)."""
 
     def captures(self, ctx: Any) -> bool:
         """Whether the op accepts being captured whole for the call ``ctx`` (a ``ForwardContext``)."""
@@ -179,11 +181,11 @@ def _register(
     info = OpaqueOpInfo(name=qualified, split=split, capturable=capturable)
 
     def body(*args, **kwargs):
-        info.eager_calls += 1  # only a counter and a compare: the runtime calls this between pieces on every step
+        info.eager_calls += 1  # a counter and two compares: the runtime calls this between pieces on every step
         result = impl(*args, **kwargs)
         if info.eager_calls == 1:
-            info.fake_mismatch = fake_mismatch(qualified, op, args, kwargs, result)
-        return result
+            info.fake_mismatch, info.contiguous = fake_mismatch(qualified, op, args, kwargs, result)
+        return contiguous_outputs(result) if info.contiguous else result
 
     info.impl = body
     body.__signature__ = inspect.signature(impl)  # custom_op infers the schema from this signature

@@ -65,7 +65,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     keys = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T, D]
     values = v.repeat_interleave(group, dim=1).transpose(0, 1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True, scale=scaling)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()  # as the fake
 
 
 def _slot_attention_fake(q, k, v, positions, slots, kv_cache, layer, scale, window=0, softcap=0.0):
