@@ -216,7 +216,7 @@ def _fake_search(times: dict[str, float]) -> None:
 
     search.MEASURE_WITHOUT_CUDA = True
     compilers.InductorCompiler.compile = lambda self, graph, example_inputs: graph.forward
-    search._timed = lambda trial, arguments: {1: times[trial.config.compiler]}
+    search._timed = lambda trial, arguments, **_: {1: times[trial.config.compiler]}
 
 
 def _sharded_example():

@@ -46,7 +46,7 @@ def test_without_cuda_graphs_auto_takes_eager_pieces_without_compiling_inductor(
 
 def test_each_candidate_is_timed_and_the_fastest_taken(measured, monkeypatch):
     times = {"eager": 2.0, "inductor": 1.0}
-    monkeypatch.setattr(search, "_timed", lambda trial, arguments: {1: times[trial.config.compiler]})
+    monkeypatch.setattr(search, "_timed", lambda trial, arguments, **_: {1: times[trial.config.compiler]})
     runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
     table = runner.stats["candidates"]
     assert [(c["compiler"], c["ms"]) for c in table] == [("eager", {1: 2.0}), ("inductor", {1: 1.0})]
@@ -77,7 +77,7 @@ def test_the_budget_stops_the_search_after_the_first_candidate(measured):
 
 def test_the_choice_is_recorded_and_a_later_first_call_takes_it_without_a_search(measured, monkeypatch, tmp_path):
     times = {"eager": 1.0, "inductor": 2.0}
-    monkeypatch.setattr(search, "_timed", lambda trial, arguments: {1: times[trial.config.compiler]})
+    monkeypatch.setattr(search, "_timed", lambda trial, arguments, **_: {1: times[trial.config.compiler]})
     config = piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=tmp_path)
     first = run(bm.make(None), config)
     assert [c["compiler"] for c in first.stats["candidates"]] == ["eager", "inductor"]
@@ -111,7 +111,7 @@ def test_the_timing_calls_leave_no_trace_in_the_runner(measured):
 def test_inductor_is_taken_only_when_faster_by_the_margin(measured, monkeypatch):
     """A later candidate must beat eager by more than ``search.MARGIN`` (5%): within it, eager pieces stay."""
     times = {"eager": 1.0, "inductor": 0.97}
-    monkeypatch.setattr(search, "_timed", lambda trial, arguments: {1: times[trial.config.compiler]})
+    monkeypatch.setattr(search, "_timed", lambda trial, arguments, **_: {1: times[trial.config.compiler]})
     runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
     assert runner.config.compiler == "eager"
     assert "-> eager (Inductor is taken only when more than 5% faster)" in runner.stats["frontend_reason"]
@@ -130,3 +130,35 @@ def test_the_default_compiler_is_auto_and_the_environment_sets_another(monkeypat
     with pytest.raises(ValueError, match=r"compiler must be one of .* got 'fast' \(from \$PIECEWISE_COMPILER\)"):
         piecewise.CaptureConfig()
 
+
+
+def test_the_timing_leaves_the_state_as_the_first_call_found_it_where_rows_are_sequences(measured, monkeypatch):
+    """Timing a size above the first call's count repeats its rows; in a decode model whose row b is sequence b
+    (gpt-fast's, the bundled DecodeLlama) those rows write other sequences' cache rows: put back after the search."""
+    from piecewise.models.decode import DecodeLlama
+    from piecewise.models.llama import LlamaConfig
+
+    monkeypatch.setattr(search, "CANDIDATES", ("eager", "eager"))  # two candidates, both timed, nothing compiled
+    torch.manual_seed(0)
+    model = DecodeLlama(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                    head_dim=8, intermediate_size=64, max_seq_len=16)).eval()
+    ours = torch.randn(2, 2, 8, 2, 16, 8)
+    theirs = ours.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    with torch.no_grad():
+        for batch in (3, 8, 2):
+            ids, positions = torch.randint(0, 64, (batch,)), torch.randint(0, 16, (batch,))
+            torch.testing.assert_close(runner(ids, positions, ours), model(ids, positions, theirs))
+            torch.testing.assert_close(ours, theirs, msg=lambda m: f"the cache after a call of {batch}: {m}")
+    assert 8 in runner.stats["candidates"][0]["ms"]  # the size above the first call's count was timed
+
+
+def test_each_timed_size_counts_alike_so_a_prefill_does_not_drown_the_decode_steps(measured, monkeypatch):
+    """Inductor 30% faster at one token and 4% slower at the top size: summed milliseconds would keep eager."""
+    times = {"eager": {1: 1.0, 8: 10.0}, "inductor": {1: 0.7, 8: 10.4}}
+    monkeypatch.setattr(search, "_timed", lambda trial, arguments, **_: times[trial.config.compiler])
+    runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    assert runner.config.compiler == "inductor"
+    times["inductor"] = {1: 0.97, 8: 9.9}  # 2% faster at each: within the margin
+    runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    assert runner.config.compiler == "eager"

@@ -166,9 +166,7 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
     if size is None:
         return
     exact = _unpadded(full, arguments, tokens)
-    static = [t for name, t in arguments.items() if isinstance(t, torch.Tensor) and name not in runner.arguments.dynamic]
-    state = _writable([*static, *runner.model.buffers()])
-    saved = [t.clone() for t in state] if _copy_fits(state) else []
+    saved = snapshot(runner, arguments)
     try:
         padded = full.run(arguments, tokens, size, rehearsal=True)
         padded = map_tensors(padded, lambda t: t[:tokens].clone() if t.dim() and t.shape[0] == size else t.clone())
@@ -176,13 +174,25 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
         full.refuse(f"the forward padded from {tokens} to {size} tokens for a full graph fails: {exc}")
         return
     finally:
-        for tensor, copy in zip(state, saved):
-            tensor.copy_(copy)
+        restore(saved)
     for got, want in zip(torch.utils._pytree.tree_leaves(padded), torch.utils._pytree.tree_leaves(exact)):
         if isinstance(want, torch.Tensor) and rel_error(got, want) > tolerance(want.dtype):
             full.refuse(f"the padded rows of a {size}-token full graph change the real rows of a {tokens}-token "
                         f"call: a capturable splitting op does not honour piecewise.context().token_mask")
             return
+
+
+def snapshot(runner: Any, arguments: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Copies of the state a call could write (the static tensor arguments and the model's buffers), to put back
+    with ``restore`` after calls made up by piecewise; None where the copies would not fit (``_copy_fits``)."""
+    static = [t for name, t in arguments.items() if isinstance(t, torch.Tensor) and name not in runner.arguments.dynamic]
+    state = _writable([*static, *runner.model.buffers()])
+    return [(t, t.clone()) for t in state] if _copy_fits(state) else None
+
+
+def restore(saved: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    for tensor, copy in saved or ():
+        tensor.copy_(copy)
 
 
 def _writable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -4,10 +4,12 @@ Each candidate compiler (``eager``, then ``inductor``) gets a runner of its own 
 first call's arguments (its front-end chosen as ``frontend`` says, its checks run, every size captured), then
 timed at a few representative token counts (1, 8, 32 and the top of the graphs, where captured) with calls made
 from the first call's rows. The calls are rehearsals (``piecewise.context().rehearsal``): splitting ops that keep
-state across calls skip them, and the rows they write are the first call's own. The fastest candidate's runner
-becomes this one (a later one only when more than ``MARGIN`` faster); the others' graphs and pools are
-released. Candidates are tried in order while the first calls' seconds stay within ``compile_budget_s``; past
-it, the fastest of those measured is taken.
+state across calls skip them; the state the calls could write (static tensor arguments, the model's buffers) is
+copied before the first candidate and put back before each and after the last (sizes above the first call's
+count are timed only where that copy fits: their repeated rows may write rows the first call did not). The
+fastest candidate's runner becomes this one (a later one only when more than ``MARGIN`` faster); the others'
+graphs and pools are released. Candidates are tried in order while the first calls' seconds stay within
+``compile_budget_s``; past it, the fastest of those measured is taken.
 
 The choice, with every candidate's times, goes into ``stats["frontend_reason"]`` and ``stats["candidates"]``, and
 into the persistent cache (``piecewise.cache``): a later process takes the recorded compiler without the search.
@@ -30,8 +32,9 @@ logger = logging.getLogger(__name__)
 CANDIDATES = ("eager", "inductor")
 SIZES = (1, 8, 32)
 MARGIN = 0.05
-"""A candidate after the first (Inductor after eager) is taken only when its summed ms are this much lower: a
-tie within the noise keeps eager pieces (no compile in later processes, eager's exact numerics)."""
+"""A candidate after the first (Inductor after eager) is taken only when its ms are this much lower (the geometric
+mean over the timed sizes of its ms over eager's): a tie within the noise keeps eager pieces (no compile in later
+processes, eager's exact numerics)."""
 MEASURE_WITHOUT_CUDA = False
 """Tests set it to run the search on a CPU (no graphs: the times mean nothing there)."""
 
@@ -78,8 +81,7 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     if len(rows) < len(order) and not why:  # stopped before the last candidate
         why = f"compile budget {config.compile_budget_s:.0f} s spent after " + ", ".join(r["compiler"] for r in rows)
     common = set.intersection(*(set(r["ms"]) for r in measured)) if all(r["ms"] for r in measured) else set()
-    # Every rank takes the same candidate: each one's time is the slowest rank's.
-    totals = dict(zip(map(id, rows), _agreed([_total(r, common) if "runner" in r else math.inf for r in rows])))
+    totals = _scores(rows, common)
     chosen = measured[0]
     for row in measured[1:]:  # a later (compiling) candidate must win by the margin: noise never buys its rounding
         if totals[id(row)] < totals[id(chosen)] * (1 - MARGIN):
@@ -128,15 +130,29 @@ def _agreed(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def _total(row: dict, sizes: set) -> float:
-    return sum(ms for n, ms in row["ms"].items() if n in sizes)
+def _scores(rows: list[dict], sizes: set) -> dict[int, float]:
+    """Each row's time (by ``id``) as the geometric mean over ``sizes`` of its ms over the first measured row's:
+    every representative size counts alike (summed milliseconds would let the top size's prefill drown the decode
+    steps). Every rank takes the same candidate: each time is the slowest rank's."""
+    sizes = sorted(sizes)
+    if not sizes:
+        return {id(row): 1.0 if "runner" in row else math.inf for row in rows}
+    flat = iter(_agreed([row["ms"][n] if "runner" in row else math.inf for row in rows for n in sizes]))
+    times = [[next(flat) for _ in sizes] for _ in rows]
+    base = next(t for t, row in zip(times, rows) if "runner" in row)
+    return {id(row): math.exp(statistics.fmean(math.log(ms / first) for ms, first in zip(t, base)))
+            if "runner" in row else math.inf for t, row in zip(times, rows)}
 
 
 def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[list, float, list]:
     """Each compiler of ``order`` prepared and timed while the first calls' seconds stay within the budget:
     (rows of the table, seconds spent, the exceptions of those that failed)."""
+    from .full_graphs import restore, snapshot
+
     rows, spent, failures = [], 0.0, []
+    saved = snapshot(runner, arguments) if len(order) > 1 else None
     for compiler in order:
+        restore(saved)  # each candidate starts from the state the first call found
         spent_all = any("runner" in r for r in rows) and spent > config.compile_budget_s
         if rows and _agreed([float(spent_all)])[0]:  # any rank past the budget stops every rank
             break
@@ -161,15 +177,19 @@ def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[li
             continue
         first = time.perf_counter() - started
         spent += first
-        ms = _timed(trial, arguments) if len(order) > 1 else {}
+        ms = _timed(trial, arguments, beyond=saved is not None) if len(order) > 1 else {}
         rows.append({"compiler": compiler, "first_call_s": first, "ms": ms, "runner": trial})
+    restore(saved)  # the timing calls' writes undone: the runner's own first call runs next
     return rows, spent, failures
 
 
-def _timed(trial, arguments: dict[str, Any], rounds: int = 5, iters: int = 10) -> dict[int, float]:
-    """ms per call at each representative size the trial captured, calls made from the first call's rows."""
-    sizes = sorted({s for s in (*SIZES, trial.ladder.sizes[-1]) if s in trial.ladder.sizes})
+def _timed(trial, arguments: dict[str, Any], beyond: bool, rounds: int = 5,
+           iters: int = 10) -> dict[int, float]:
+    """ms per call at each representative size the trial captured, calls made from the first call's rows; sizes
+    above the first call's count (its rows repeated, which may write state the first call did not: another
+    sequence's cache rows where the row is the sequence) only where ``beyond``, the state being put back after."""
     tokens = arguments[next(iter(trial.arguments.dynamic))].shape[0]
+    sizes = sorted({s for s in (*SIZES, trial.ladder.sizes[-1]) if s in trial.ladder.sizes and (beyond or s <= tokens)})
     given = trial.arguments.given_tokens(arguments)
     times = {}
     kept = trial.last_arguments, dict(trial.stats)
