@@ -184,20 +184,22 @@ def plot(rows: list[Row], calls: list[Call], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     kinds = sorted({c.label.split()[0] for c in calls})  # decode / prefill, or one kind for a factory's calls
+    styles = dict(zip(kinds, ("-", "--", ":")))
     for index, row in enumerate(rows):
         if row.error:
             continue
-        for kind, style in zip(kinds, ("-", "--", ":")):
+        for kind in kinds:
             points = sorted((c.tokens, row.ms[c.label]) for c in calls if c.label in row.ms and
                             c.label.split()[0] == kind)
-            if points:
-                left.plot(*zip(*points), style, marker="o", color=f"C{index % 10}",
+            if points:  # one legend entry per mode: its colour
+                left.plot(*zip(*points), styles[kind], marker="o", color=f"C{index % 10}",
                           label=row.name + (f" (→ {row.chosen})" if row.name == "auto" else "")
-                          + (f", {kind}" if len(kinds) > 1 else ""))
-    left.set(xscale="log", yscale="log", xlabel="tokens per call", ylabel="ms per call", title=title)
-    left.legend(fontsize=8)
+                          if kind == kinds[0] or not any(c.label.split()[0] == kinds[0] for c in calls) else None)
+    xlabel = "tokens per call" + (" (" + ", ".join(f"{styles[k]} {k}" for k in kinds) + ")" if len(kinds) > 1 else "")
+    left.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="ms per call", title=title)
+    left.legend(fontsize=7, loc="upper left", framealpha=0.8)
     started = [row for row in rows if row.first_call_s is not None]
     right.barh([row.name for row in started], [row.first_call_s for row in started])
     right.set(xlabel="first call, s (trace, compile, capture)")
