@@ -741,6 +741,26 @@ root = os.path.join(sys.argv[1], "piecewise")
 names = sorted("piecewise." + os.path.relpath(os.path.join(d, f), root)[:-3].replace(os.sep, ".")
                for d, _, files in os.walk(root) for f in files if f.endswith(".py"))
 names = [n.removesuffix(".__init__") for n in names if n != "piecewise.__init__"]
+# What piecewise's modules import from outside it (torch._dynamo, ...), loaded once here rather than in every
+# child: a first child imports all of piecewise and names them.
+read, write = os.pipe()
+if os.fork() == 0:
+    for name in names:
+        try:
+            __import__(name)
+        except BaseException:
+            pass
+    os.write(write, "\n".join(m for m in list(sys.modules) if m.split(".")[0] != "piecewise").encode())
+    os._exit(0)
+os.close(write)
+with os.fdopen(read) as pipe:
+    outside = pipe.read().split()
+os.wait()
+for name in outside:
+    try:
+        __import__(name)
+    except BaseException:
+        pass
 running, failed = {}, []
 
 
