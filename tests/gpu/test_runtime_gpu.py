@@ -54,7 +54,8 @@ def test_pool_is_shared_across_sizes():
     one(ids, positions, cache)
     many = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=512))
     many(ids, positions, cache)
-    assert len(many.stats["captured_sizes"]) == 51
+    assert len(many.stats["captured_sizes"]) + len(many.stats["full_only_sizes"]) == 51
+    assert many.stats["full_only_sizes"] == [size for size in many.config.sizes if size <= 256]
     print("pool bytes: one size", one.stats["pool_bytes"], "51 sizes", many.stats["pool_bytes"])
     assert 0 < many.stats["pool_bytes"] < 51 * one.stats["pool_bytes"] / 4
 
@@ -131,11 +132,12 @@ def test_released_graphs_free_the_pool_and_calls_stay_correct():
     model, ids, positions, cache = make(num_layers=2)
     with piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16)) as runner:
         runner(ids, positions, cache)
-        assert runner.stats["graphs"] == 3 * len(runner.stats["captured_sizes"]) > 0
+        assert runner.stats["full_graphs"] == len(runner.stats["full_only_sizes"]) == 5  # every size whole
         pieces = [piece for graph_runner in runner.frontend.graph_runners for piece in graph_runner.pieces]
     assert all(not piece.segments and not piece.outputs for piece in pieces) and runner.state.pool is None
     stats = runner.stats
     assert stats["cuda_graphs"] is False and stats["graphs"] == 0 and stats["captured_sizes"] == []
+    assert stats["full_graphs"] == 0 and stats["full_only_sizes"] == []
     replays = stats["replays"]
     for tokens in (1, 7, 16):
         step_ids, step_positions = ids[:1].repeat(tokens), torch.arange(tokens, device="cuda")

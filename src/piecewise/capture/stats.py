@@ -27,6 +27,9 @@ class Stats(MutableMapping):
     size_notes: list[str] = field(default_factory=list)
     """Why the capture sizes differ from the configured ones (e.g. one-token calls padded to 2)."""
     captured_sizes: list[int] = field(default_factory=list)
+    """Sizes captured as piecewise graphs."""
+    full_only_sizes: list[int] = field(default_factory=list)
+    """Sizes with a full graph serving every call they pad: no piecewise graphs captured (never replayed)."""
     warmed_sizes: list[int] = field(default_factory=list)
     """Piecewise sizes run padded before their capture. Breakable does so for the first (largest) size, for a size
     whose capture failed without it (first-use host work: a tuning sync, an upload), captured again after it, and

@@ -256,4 +256,4 @@ def _reset(core: Core) -> None:
     core.ladder.sizes[:] = core.config.sizes  # a size dropped for one front-end is served again
     core.ladder.notes.clear()
     core.stats.update(traces=0, pieces=0, eager_writes=0, graph_breaks=0, compiled_regions=0, captured_sizes=[],
-                      warmed_sizes=[], graphs=0)
+                      warmed_sizes=[], graphs=0, full_only_sizes=[])

@@ -106,6 +106,12 @@ class FullGraphs:
         ctx = ForwardContext(tokens, size, token_mask=self.masks[size])
         return size if all(info.captures(ctx) for info in self.ops) else None
 
+    def serves_every_call(self, size: int, below: int) -> bool:
+        """Whether every call padded to ``size`` (``below`` + 1 to ``size`` tokens) replays this family's graph
+        of that size: the piecewise graphs of that size would never replay. (The ops' ``capturable`` is a
+        function of the call's context alone, as ``bucket`` asks it.)"""
+        return size in self.graphs and all(self.bucket(tokens) == size for tokens in range(below + 1, size + 1))
+
     def run(self, arguments: dict[str, Any], tokens: int, size: int, rehearsal: bool = False) -> Any:
         runner = self.runner
         staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), tokens, size)

@@ -169,7 +169,7 @@ class PiecewiseModel(Core):
         state.pool = state.workspace_graph = None
         state.retired_pools.clear()
         state.graphs_enabled = False
-        self.stats.update(cuda_graphs=False, graphs=0, captured_sizes=[], pool_bytes=0)
+        self.stats.update(cuda_graphs=False, graphs=0, captured_sizes=[], full_only_sizes=[], pool_bytes=0)
 
     def __enter__(self) -> "PiecewiseModel":
         return self

@@ -154,7 +154,8 @@ def verify(runner: Any, example: dict[str, Any], sizes: list[int] | None = None,
 def _verify(runner: Any, example: dict[str, Any], sizes: list[int] | None,
             make_inputs: Callable[[int], Any] | None) -> VerifyReport:
     ladder = list(runner.ladder.sizes)
-    chosen = sorted(sizes) if sizes is not None else (runner.stats.captured_sizes or ladder)
+    served = sorted({*runner.stats.captured_sizes, *runner.stats.full_only_sizes})  # sizes with graphs
+    chosen = sorted(sizes) if sizes is not None else (served or ladder)
     unknown = [s for s in chosen if s not in ladder]
     if unknown:
         raise ValueError(f"verify: sizes {unknown} are not capture sizes of this runner; capture sizes: {ladder}")
