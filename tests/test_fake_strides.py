@@ -66,3 +66,16 @@ def test_a_fake_of_other_strides_than_the_op_is_named_with_both():
         "(1, 3), but the op returned strides (4, 1) on the same inputs (tensor inputs: (3, 4) float32). Compiled "
         "pieces assume the fake's strides: return contiguous tensors from both (x.new_empty(shape) in the fake), or "
         "make the fake's strides the op's (torch.empty_strided).")
+
+
+@piecewise.opaque_op("fake_strides::keeps_layout")
+def keeps_layout(x: torch.Tensor) -> torch.Tensor:
+    return x * 2  # the argument's strides (TensorIterator keeps them)
+
+
+def test_the_default_fake_is_contiguous_and_so_are_the_ops_outputs():
+    transposed = torch.randn(4, 3).t()
+    out = keeps_layout(transposed)
+    torch.testing.assert_close(out, transposed * 2)
+    assert out.is_contiguous()
+    check_fakes(["fake_strides::keeps_layout"])  # no mismatch

@@ -159,7 +159,7 @@ def _default_fake(qualified: str, returns: str) -> Callable:
             raise ValueError(
                 f"opaque op {qualified!r} has no tensor argument to model its output on: pass fake=..."
             )
-        return torch.empty_like(like)
+        return like.new_empty(like.shape)  # contiguous, whatever the argument's strides: so are the op's outputs
 
     return fake
 
@@ -228,8 +228,9 @@ def opaque_op(
     """Decorator: make a type-annotated Python function an opaque ``torch.library`` op.
 
     ``name`` is ``"namespace::name"`` (a bare name goes to ``piecewise_ops``). ``fake`` computes output
-    metadata from fake inputs (default: one tensor like the first tensor argument; ops returning nothing
-    need none). ``mutates_args`` names the arguments written in place (one name, or several). ``split=True``
+    metadata from fake inputs (default: one contiguous tensor of the first tensor argument's shape and dtype;
+    ops returning nothing need none). Where the fake's outputs are contiguous, the op's are made so at each call
+    (a copy where the function returns another layout); a fake of other strides must match the function's. ``mutates_args`` names the arguments written in place (one name, or several). ``split=True``
     makes it a splitting op. ``capturable`` (a bool, or a function of the call's ``piecewise.context()``) says
     that the splitting op may also run inside one CUDA graph of the whole forward (``CaptureConfig.graph_mode``):
     it reads every per-call value from device tensors, picks its kernels from shapes only, and, given the padded

@@ -280,7 +280,7 @@ def slot_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
         raise ValueError("slot_attention needs the head dimension contiguous in the cache (make it with torch.zeros)")
     if q.stride(2) != 1:
         q = q.contiguous()
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous as the ops' fakes, whatever q's layout (the kernel takes its strides)
     if tokens == 0:
         return out
     if splits is None:

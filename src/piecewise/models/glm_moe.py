@@ -76,7 +76,7 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor, config: GlmMoeCon
 
 
 def _experts_fake(x, ids, weights, *rest):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @opaque_op("piecewise_examples::moe_experts", fake=_experts_fake, split=True)
