@@ -162,3 +162,32 @@ def test_each_timed_size_counts_alike_so_a_prefill_does_not_drown_the_decode_ste
     times["inductor"] = {1: 0.97, 8: 9.9}  # 2% faster at each: within the margin
     runner = run(bm.make(None), piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
     assert runner.config.compiler == "eager"
+
+
+class ScaledOnFirstUse(torch.nn.Module):
+    """A buffer the first forward fills, once (vLLM computes its KV-cache scales so): the search must not put the
+    state back to before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.zeros(()))
+        self.built = False
+
+    def forward(self, x):
+        if not self.built:
+            self.scale.fill_(2.0)
+            self.built = True
+        return self.linear(x) * self.scale
+
+
+def test_the_search_keeps_what_the_first_forward_builds(measured, monkeypatch):
+    monkeypatch.setattr(search, "CANDIDATES", ("eager", "eager"))
+    torch.manual_seed(0)
+    model = ScaledOnFirstUse().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    with torch.no_grad():
+        for tokens in (3, 8, 1):
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))
+    assert float(model.scale) == 2.0

@@ -43,10 +43,14 @@ class OpaqueOpInfo:
     """The Python body; the runtime calls it directly between pieces, skipping dispatcher overhead."""
     capturable: bool | Callable[[Any], bool] = False
     """Whether the op may run inside a full CUDA graph for a call (see ``opaque_op``)."""
+    checked: bool = False
+    """Whether the fake was compared with a call of the op (its first eager call outside a CUDA graph capture)."""
     fake_mismatch: str | None = None
-    """What the fake got wrong at the op's first eager call (``fakes.fake_mismatch``); ``compile`` refuses it."""
+    """What the fake got wrong then (``fakes.fake_mismatch``): shape, dtype or count; ``compile`` refuses it."""
+    stride_mismatch: str | None = None
+    """Strides the fake got wrong then; ``compile`` refuses it where Inductor compiles the pieces."""
     contiguous: bool = False
-    """The fake returns contiguous tensors (seen at the first eager call): so do the op's calls (a copy where not)."""
+    """The fake returned contiguous tensors and the op another layout: every call's outputs are made contiguous."""
 
     def captures(self, ctx: Any) -> bool:
         """Whether the op accepts being captured whole for the call ``ctx`` (a ``ForwardContext``)."""
@@ -68,9 +72,12 @@ def opaque_call_counts() -> dict[str, int]:
         return {name: info.eager_calls for name, info in _opaque_ops.items()}
 
 
-def check_fakes(names: Iterable[str]) -> None:
-    """Raise ``FakeMismatch`` for the first of the opaque ops ``names`` whose fake got its first eager call wrong."""
-    mismatches = [info.fake_mismatch for name in sorted(names) if (info := opaque_op_info(name)) and info.fake_mismatch]
+def check_fakes(names: Iterable[str], strides: bool = False) -> None:
+    """Raise ``FakeMismatch`` for the first of the opaque ops ``names`` whose fake got its first eager call wrong
+    (``strides``: its strides too, which Inductor's pieces assert)."""
+    infos = [info for name in sorted(names) if (info := opaque_op_info(name))]
+    mismatches = [info.fake_mismatch or (info.stride_mismatch if strides else None) for info in infos]
+    mismatches = [m for m in mismatches if m]
     if mismatches:
         raise FakeMismatch(mismatches[0])
 
@@ -159,7 +166,7 @@ def _default_fake(qualified: str, returns: str) -> Callable:
             raise ValueError(
                 f"opaque op {qualified!r} has no tensor argument to model its output on: pass fake=..."
             )
-        return like.new_empty(like.shape)  # contiguous, whatever the argument's strides: so are the op's outputs
+        return torch.empty_like(like)
 
     return fake
 
@@ -183,8 +190,9 @@ def _register(
     def body(*args, **kwargs):
         info.eager_calls += 1  # a counter and two compares: the runtime calls this between pieces on every step
         result = impl(*args, **kwargs)
-        if info.eager_calls == 1:
-            info.fake_mismatch, info.contiguous = fake_mismatch(qualified, op, args, kwargs, result)
+        if not info.checked and (check := fake_mismatch(qualified, op, args, kwargs, result)) is not None:
+            info.checked = True
+            info.fake_mismatch, info.stride_mismatch, info.contiguous = check.mismatch, check.strides, check.contiguous
         return contiguous_outputs(result) if info.contiguous else result
 
     info.impl = body
@@ -228,9 +236,10 @@ def opaque_op(
     """Decorator: make a type-annotated Python function an opaque ``torch.library`` op.
 
     ``name`` is ``"namespace::name"`` (a bare name goes to ``piecewise_ops``). ``fake`` computes output
-    metadata from fake inputs (default: one contiguous tensor of the first tensor argument's shape and dtype;
-    ops returning nothing need none). Where the fake's outputs are contiguous, the op's are made so at each call
-    (a copy where the function returns another layout); a fake of other strides must match the function's. ``mutates_args`` names the arguments written in place (one name, or several). ``split=True``
+    metadata from fake inputs (default: one tensor like the first tensor argument; ops returning nothing
+    need none). Where the fake's outputs are contiguous and the function returned another layout at its first
+    call, every call's outputs are made contiguous (a copy); a fake of other strides must match the function's
+    where Inductor compiles the pieces. ``mutates_args`` names the arguments written in place (one name, or several). ``split=True``
     makes it a splitting op. ``capturable`` (a bool, or a function of the call's ``piecewise.context()``) says
     that the splitting op may also run inside one CUDA graph of the whole forward (``CaptureConfig.graph_mode``):
     it reads every per-call value from device tensors, picks its kernels from shapes only, and, given the padded

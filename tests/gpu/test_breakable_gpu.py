@@ -359,12 +359,8 @@ def test_first_use_host_work_at_each_size_fails_its_capture_then_runs_in_a_warm_
     assert failed or graph_mode != "piecewise", "no size met its first use in its capture: nothing was tested"
     retired = bool(failed) and work == "sync"
     warmed = sorted({MAX_TOKENS, *failed, *(size for size in sizes if retired and size <= failed[0])})
-    if graph_mode == "full_and_piecewise":  # every size's calls replay its full graph: no piecewise graphs
-        runner.stats.expect(frontend="breakable", captured_sizes=[], full_only_sizes=sizes, graph_mode=graph_mode,
-                            warmed_sizes=[], full_graphs=len(sizes))
-    else:
-        runner.stats.expect(frontend="breakable", captured_sizes=sizes, graph_mode=graph_mode, warmed_sizes=warmed,
-                            full_graphs=0)
+    runner.stats.expect(frontend="breakable", captured_sizes=sizes, graph_mode=graph_mode, warmed_sizes=warmed,
+                        full_graphs=len(sizes) if graph_mode == "full_and_piecewise" else 0)
     assert len(runner.state.retired_pools) == int(retired)
     assert runner.stats["pool_bytes"] > 0
     assert torch.randn(2, device="cuda").isfinite().all(), "random draws on the device work after the failures"

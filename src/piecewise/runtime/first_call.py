@@ -102,7 +102,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     with forward_context(tokens, tokens, rehearsal=True):
         core.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
     called = {name for name, count in opaque_call_counts().items() if count != counts.get(name, 0)}
-    check_fakes(called)  # before Dynamo traces with them
+    check_fakes(called, strides=core.config.compiler == "inductor")  # before Dynamo traces with them
     module_state.changed()  # what the warm-up built on first use is the model's from now on
     core.stats.prewarm_seconds = time.perf_counter() - started
     devices = {t.device.type for t in model_tensors} | {arguments[n].device.type for n in core.arguments.dynamic}

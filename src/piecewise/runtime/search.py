@@ -5,8 +5,9 @@ first call's arguments (its front-end chosen as ``frontend`` says, its checks ru
 timed at a few representative token counts (1, 8, 32 and the top of the graphs, where captured) with calls made
 from the first call's rows. The calls are rehearsals (``piecewise.context().rehearsal``): splitting ops that keep
 state across calls skip them; the state the calls could write (static tensor arguments, the model's buffers) is
-copied before the first candidate and put back before each and after the last (sizes above the first call's
-count are timed only where that copy fits: their repeated rows may write rows the first call did not). The
+copied after the first candidate's first call and put back after each candidate's timing calls (sizes above the
+first call's count are timed only where that copy fits, on every rank: their repeated rows may write rows the first
+call did not). The
 fastest candidate's runner becomes this one (a later one only when more than ``MARGIN`` faster); the others'
 graphs and pools are released. Candidates are tried in order while the first calls' seconds stay within
 ``compile_budget_s``; past it, the fastest of those measured is taken.
@@ -98,6 +99,8 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
                                    else r["error"]) for r in rows) + f" -> {chosen['compiler']}" + (
             f" (Inductor is taken only when more than {MARGIN:.0%} faster)" if chosen is measured[0] and any(
                 totals[id(r)] < totals[id(chosen)] for r in measured[1:]) else "")
+    if not common and len(measured) > 1:
+        why += "; no token count was timed by every candidate: the first is kept, and not recorded"
     trial = chosen["runner"]
     # One attribute dict for both: the trial's parts that point back at it (its full graphs, its front-end's
     # callbacks) see what the runner assigns later (a token argument first given after the first call, ...).
@@ -106,7 +109,7 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     runner.stats.frontend_reason = (runner.stats.frontend_reason + "; " if runner.stats.frontend_reason else "") + \
         f"compiler {chosen['compiler']!r} ({why})"
     logger.info("piecewise: compiler %r (%s)", chosen["compiler"], why)
-    if store is not None:
+    if store is not None and (common or len(measured) == 1):  # a choice measured on nothing is not recorded
         store.save(key, described, {"frontend": runner.stats.frontend, "options": {},
                                     "compiler": chosen["compiler"], "candidates": table,
                                     "graph_mode": runner.stats.graph_mode,
@@ -134,7 +137,7 @@ def _scores(rows: list[dict], sizes: set) -> dict[int, float]:
     """Each row's time (by ``id``) as the geometric mean over ``sizes`` of its ms over the first measured row's:
     every representative size counts alike (summed milliseconds would let the top size's prefill drown the decode
     steps). Every rank takes the same candidate: each time is the slowest rank's."""
-    sizes = sorted(sizes)
+    sizes = sorted(sizes)  # the same on every rank: the same counts timed (``_trials``)
     if not sizes:
         return {id(row): 1.0 if "runner" in row else math.inf for row in rows}
     flat = iter(_agreed([row["ms"][n] if "runner" in row else math.inf for row in rows for n in sizes]))
@@ -150,9 +153,9 @@ def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[li
     from .full_graphs import restore, snapshot
 
     rows, spent, failures = [], 0.0, []
-    saved = snapshot(runner, arguments) if len(order) > 1 else None
+    saved, fits = None, False
     for compiler in order:
-        restore(saved)  # each candidate starts from the state the first call found
+        restore(saved)  # each later candidate starts from the state the first one's first call left
         spent_all = any("runner" in r for r in rows) and spent > config.compile_budget_s
         if rows and _agreed([float(spent_all)])[0]:  # any rank past the budget stops every rank
             break
@@ -177,9 +180,14 @@ def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[li
             continue
         first = time.perf_counter() - started
         spent += first
-        ms = _timed(trial, arguments, beyond=saved is not None) if len(order) > 1 else {}
+        if len(order) > 1 and not any("runner" in r for r in rows):
+            # The state after a whole first call (what the forward builds on first use included), put back after
+            # each candidate's timing calls. Every rank times the same counts: the copy fits on all or on none.
+            saved = snapshot(trial, arguments)
+            fits = not _agreed([float(saved is None)])[0]
+        ms = _timed(trial, arguments, beyond=fits) if len(order) > 1 else {}
+        restore(saved)
         rows.append({"compiler": compiler, "first_call_s": first, "ms": ms, "runner": trial})
-    restore(saved)  # the timing calls' writes undone: the runner's own first call runs next
     return rows, spent, failures
 
 

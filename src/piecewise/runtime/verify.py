@@ -259,7 +259,8 @@ def _bisect(runner, tokens: int, inputs: dict[str, Any], static, saved) -> str:
     state = runner.state
     size = runner.ladder.bucket(tokens) or tokens
     names = runner.arguments.given_tokens(inputs)
-    phase = Phase.REPLAY if state.capture_done else Phase.PADDED
+    replays = state.capture_done and size not in runner.stats.full_only_sizes  # no piecewise graphs there
+    phase = Phase.REPLAY if replays else Phase.PADDED
     staged = runner.stager.stage(inputs, names, tokens, size)
     state.probe = []
     try:
