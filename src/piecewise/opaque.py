@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .errors import FakeMismatch
-from .fakes import contiguous_outputs, fake_mismatch
+from .fakes import FakeCheck, contiguous_outputs, fake_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +43,10 @@ class OpaqueOpInfo:
     """The Python body; the runtime calls it directly between pieces, skipping dispatcher overhead."""
     capturable: bool | Callable[[Any], bool] = False
     """Whether the op may run inside a full CUDA graph for a call (see ``opaque_op``)."""
-    checked: bool = False
-    """Whether the fake was compared with a call of the op (its first eager call outside a CUDA graph capture)."""
-    fake_mismatch: str | None = None
-    """What the fake got wrong then (``fakes.fake_mismatch``): shape, dtype or count; ``compile`` refuses it."""
-    stride_mismatch: str | None = None
-    """Strides the fake got wrong then; ``compile`` refuses it where Inductor compiles the pieces."""
+    fake: FakeCheck | None = None
+    """The fake against the op's first eager call outside a CUDA graph capture (``fakes.fake_mismatch``)."""
     contiguous: bool = False
-    """The fake returned contiguous tensors and the op another layout: every call's outputs are made contiguous."""
+    """``fake.contiguous``, read at every call: the op's outputs are made contiguous."""
 
     def captures(self, ctx: Any) -> bool:
         """Whether the op accepts being captured whole for the call ``ctx`` (a ``ForwardContext``)."""
@@ -75,9 +71,8 @@ def opaque_call_counts() -> dict[str, int]:
 def check_fakes(names: Iterable[str], strides: bool = False) -> None:
     """Raise ``FakeMismatch`` for the first of the opaque ops ``names`` whose fake got its first eager call wrong
     (``strides``: its strides too, which Inductor's pieces assert)."""
-    infos = [info for name in sorted(names) if (info := opaque_op_info(name))]
-    mismatches = [info.fake_mismatch or (info.stride_mismatch if strides else None) for info in infos]
-    mismatches = [m for m in mismatches if m]
+    checks = [info.fake for name in sorted(names) if (info := opaque_op_info(name)) and info.fake]
+    mismatches = [m for check in checks if (m := check.mismatch or (check.strides if strides else None))]
     if mismatches:
         raise FakeMismatch(mismatches[0])
 
@@ -190,9 +185,8 @@ def _register(
     def body(*args, **kwargs):
         info.eager_calls += 1  # a counter and two compares: the runtime calls this between pieces on every step
         result = impl(*args, **kwargs)
-        if not info.checked and (check := fake_mismatch(qualified, op, args, kwargs, result)) is not None:
-            info.checked = True
-            info.fake_mismatch, info.stride_mismatch, info.contiguous = check.mismatch, check.strides, check.contiguous
+        if info.fake is None and (check := fake_mismatch(qualified, op, args, kwargs, result)) is not None:
+            info.fake, info.contiguous = check, check.contiguous
         return contiguous_outputs(result) if info.contiguous else result
 
     info.impl = body
@@ -235,16 +229,14 @@ def opaque_op(
 ) -> Callable[[Callable], torch.library.CustomOpDef]:
     """Decorator: make a type-annotated Python function an opaque ``torch.library`` op.
 
-    ``name`` is ``"namespace::name"`` (a bare name goes to ``piecewise_ops``). ``fake`` computes output
-    metadata from fake inputs (default: one tensor like the first tensor argument; ops returning nothing
-    need none). Where the fake's outputs are contiguous and the function returned another layout at its first
-    call, every call's outputs are made contiguous (a copy); a fake of other strides must match the function's
-    where Inductor compiles the pieces. ``mutates_args`` names the arguments written in place (one name, or several). ``split=True``
-    makes it a splitting op. ``capturable`` (a bool, or a function of the call's ``piecewise.context()``) says
-    that the splitting op may also run inside one CUDA graph of the whole forward (``CaptureConfig.graph_mode``):
-    it reads every per-call value from device tensors, picks its kernels from shapes only, and, given the padded
-    rows, leaves the state of other rows alone (``piecewise.redirect_padding`` makes the pad rows repeat the
-    first row's writes). Returns the callable op.
+    ``name`` is ``"namespace::name"`` (a bare name goes to ``piecewise_ops``). ``fake`` computes output metadata
+    from fake inputs, strides included (``piecewise.fakes``; default: one tensor like the first tensor argument;
+    ops returning nothing need none). ``mutates_args`` names the arguments written in place (one name, or
+    several). ``split=True`` makes it a splitting op. ``capturable`` (a bool, or a function of the call's
+    ``piecewise.context()``) says that the splitting op may also run inside one CUDA graph of the whole forward
+    (``CaptureConfig.graph_mode``): it reads every per-call value from device tensors, picks its kernels from
+    shapes only, and, given the padded rows, leaves the state of other rows alone (``piecewise.redirect_padding``
+    makes the pad rows repeat the first row's writes). Returns the callable op.
     """
     qualified = _check_name(name)
 
