@@ -190,13 +190,13 @@ def plot(rows: list[Row], calls: list[Call], path: str, title: str) -> None:
     for index, row in enumerate(rows):
         if row.error:
             continue
+        label = row.name + (f" (→ {row.chosen})" if row.name == "auto" else "")  # one legend entry per mode
         for kind in kinds:
             points = sorted((c.tokens, row.ms[c.label]) for c in calls if c.label in row.ms and
                             c.label.split()[0] == kind)
-            if points:  # one legend entry per mode: its colour
-                left.plot(*zip(*points), styles[kind], marker="o", color=f"C{index % 10}",
-                          label=row.name + (f" (→ {row.chosen})" if row.name == "auto" else "")
-                          if kind == kinds[0] or not any(c.label.split()[0] == kinds[0] for c in calls) else None)
+            if points:
+                left.plot(*zip(*points), styles[kind], marker="o", color=f"C{index % 10}", label=label)
+                label = None
     xlabel = "tokens per call" + (" (" + ", ".join(f"{styles[k]} {k}" for k in kinds) + ")" if len(kinds) > 1 else "")
     left.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="ms per call", title=title)
     left.legend(fontsize=7, loc="upper left", framealpha=0.8)

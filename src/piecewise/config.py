@@ -64,9 +64,8 @@ class CaptureConfig:
     """How each piece is compiled: ``"eager"`` (the FX graph as is), ``"inductor"`` (once, for the symbolic
     token dimension), or ``"auto"`` (the default): each of them tried at the first call and Inductor taken where
     it is more than 5% faster (geometric mean over a few token counts, measured on CUDA graphs) within
-    ``compile_budget_s``
-    (``runtime/search.py``; recorded in the persistent cache, so a later process takes it without the search;
-    eager without CUDA). ``$PIECEWISE_COMPILER`` sets the default (``eager``: no first call compiles Inductor)."""
+    ``compile_budget_s`` (``runtime/search.py``; recorded in the persistent cache, so a later process takes it
+    without the search; eager without CUDA). ``$PIECEWISE_COMPILER`` sets the default (``eager``: no first call compiles Inductor)."""
 
     compile_budget_s: float = 120.0
     """``compiler="auto"``: the first calls' seconds the search may spend; past them it takes the fastest

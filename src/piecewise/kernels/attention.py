@@ -65,7 +65,7 @@ def attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Ten
 def slot_attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
                              positions: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The PyTorch reference: ``attend_over_cache`` once per sequence in the call → [T, Hq, D], contiguous."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = q.new_empty(q.shape)
     for slot in torch.unique(slots).tolist():
         index = (slots == slot).nonzero().squeeze(1)
         out[index] = attend_over_cache(q[index], cache_k[slot], cache_v[slot], positions[index], scale, window,

@@ -1,9 +1,9 @@
 """Every capture size captured at the first call, largest first, into one pool (a second after a capture that fails
 to end): a padded run, then the capture, per size (a front-end that runs the model's Python at every capture needs
 the padded run only for its first size). Full graphs come first; a size whose every call their graph serves gets
-no piecewise graphs (``stats["full_only_sizes"]``): they would never replay. Not with breakable, whose checks of
-the forward's Python (``token_branch``) compare the piecewise captures of neighbouring sizes. Without CUDA graphs, a front-end whose checks compare its runs across sizes
-(``Frontend.runs_every_size``) still runs each size once."""
+no piecewise graphs (``stats["full_only_sizes"]``): they would never replay. Not where the front-end's checks
+compare its runs across sizes (``Frontend.runs_every_size``: breakable's ``token_branch``), which also runs each
+size once without CUDA graphs."""
 
 from __future__ import annotations
 
@@ -57,9 +57,8 @@ def capture_all(core: Core, arguments: dict[str, Any], graphs: bool) -> None:
     with capture_session(state, len(sizes) + len(core.full.sizes)) as advance:
         try:
             core.full.capture(arguments, tokens, advance)
-            ladder = [0, *sizes]  # (a front-end whose checks compare its runs at every size captures them all)
             served = [] if core.frontend.runs_every_size else [
-                size for below, size in zip(ladder, sizes) if core.full.serves_every_call(size, below)]
+                size for below, size in zip([0, *sizes], sizes) if core.full.serves_every_call(size, below)]
             core.stats.full_only_sizes = served
             sizes = [size for size in sizes if size not in served]  # never replayed: not captured
             for _ in served:

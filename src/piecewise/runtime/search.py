@@ -7,9 +7,8 @@ from the first call's rows. The calls are rehearsals (``piecewise.context().rehe
 state across calls skip them; the state the calls could write (static tensor arguments, the model's buffers) is
 copied after the first candidate's first call and put back after each candidate's timing calls (sizes above the
 first call's count are timed only where that copy fits, on every rank: their repeated rows may write rows the first
-call did not). The
-fastest candidate's runner becomes this one (a later one only when more than ``MARGIN`` faster); the others'
-graphs and pools are released. Candidates are tried in order while the first calls' seconds stay within
+call did not). The fastest candidate's runner becomes this one (a later one only when more than ``MARGIN``
+faster); the others' graphs and pools are released. Candidates are tried in order while the first calls' seconds stay within
 ``compile_budget_s``; past it, the fastest of those measured is taken.
 
 The choice, with every candidate's times, goes into ``stats["frontend_reason"]`` and ``stats["candidates"]``, and
