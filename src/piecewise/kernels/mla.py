@@ -59,6 +59,13 @@ class LatentBlocks:
     ``tl.dot`` (measured no faster at 64 heads)."""
     dense_stages: int = 3
     """``num_stages`` over contiguous rows (no picks to load: as many row blocks in flight as ``stages``)."""
+    lazy: bool = False
+    """Rescale the running sum only when some head's maximum grew by more than ``LAZY_GROWTH`` (base 2) since the
+    last rescale (FlashAttention-4's rule): weights up to 2^8 in between, exact after the final division."""
+
+
+LAZY_GROWTH = 8.0
+"""Growth of a head's running maximum (log2 units) that forces a rescale when ``LatentBlocks.lazy``."""
 
 
 BLOCKS = {torch.bfloat16: LatentBlocks(), torch.float16: LatentBlocks(),
@@ -103,6 +110,17 @@ def latent_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, cac
 if triton is not None:
 
     @triton.jit
+    def _rescale(acc, row_sum, row_max, block_max, ROWS_FIRST: tl.constexpr):
+        """The running sum and denominator moved to the new maxima (heads without a visible row stay at -inf)."""
+        new_max = tl.maximum(row_max, block_max)
+        alpha = tl.math.exp2(row_max - tl.where(new_max == float("-inf"), 0.0, new_max))
+        if ROWS_FIRST:
+            acc = acc * alpha[None, :]
+        else:
+            acc = acc * alpha[:, None]
+        return acc, row_sum * alpha, new_max
+
+    @triton.jit
     def _latent_attention_kernel(
         q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr, stats_ptr,
         scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token, stride_qr_head,
@@ -110,7 +128,7 @@ if triton is not None:
         HEADS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, SPARSE: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        INTERPRETED: tl.constexpr, LAZY: tl.constexpr, GROWTH: tl.constexpr,
     ):
         # One flat grid, head blocks fastest: the programs that gather the same rows run side by side (L2 hits).
         program = tl.program_id(0)
@@ -162,23 +180,28 @@ if triton is not None:
                 s = tl.dot(kv, q_latent, input_precision=PRECISION)
                 s = tl.dot(k_rope, q_rope, acc=s, input_precision=PRECISION) * qk_scale
                 s = tl.where(j_ok[:, None], s, float("-inf"))
-                new_max = tl.maximum(row_max, tl.max(s, 0))
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no row yet: exp2(-inf) = 0, not NaN
-                weights = tl.math.exp2(s - shift[None, :])
-                alpha = tl.math.exp2(row_max - shift)
-                row_sum = row_sum * alpha + tl.sum(weights, 0)
-                acc = tl.dot(tl.trans(kv), weights.to(kv.dtype), acc=acc * alpha[None, :], input_precision=PRECISION)
+                block_max = tl.max(s, 0)
             else:
                 s = tl.dot(q_latent, tl.trans(kv), input_precision=PRECISION)
                 s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=PRECISION) * qk_scale
                 s = tl.where(j_ok[None, :], s, float("-inf"))
-                new_max = tl.maximum(row_max, tl.max(s, 1))
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                block_max = tl.max(s, 1)
+            # Rescale to the new maxima: every step, or (LAZY) only when one grew by more than GROWTH; a head
+            # without a visible row yet keeps -inf (shift 0: exp2(-inf) = 0, not NaN).
+            if LAZY:
+                if tl.max(tl.where(block_max > row_max, block_max - row_max, 0.0), 0) > GROWTH:
+                    acc, row_sum, row_max = _rescale(acc, row_sum, row_max, block_max, ROWS_FIRST)
+            else:
+                acc, row_sum, row_max = _rescale(acc, row_sum, row_max, block_max, ROWS_FIRST)
+            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+            if ROWS_FIRST:
+                weights = tl.math.exp2(s - shift[None, :])
+                row_sum += tl.sum(weights, 0)
+                acc = tl.dot(tl.trans(kv), weights.to(kv.dtype), acc=acc, input_precision=PRECISION)
+            else:
                 weights = tl.math.exp2(s - shift[:, None])
-                alpha = tl.math.exp2(row_max - shift)
-                row_sum = row_sum * alpha + tl.sum(weights, 1)
-                acc = tl.dot(weights.to(kv.dtype), kv, acc=acc * alpha[:, None], input_precision=PRECISION)
-            row_max = new_max
+                row_sum += tl.sum(weights, 1)
+                acc = tl.dot(weights.to(kv.dtype), kv, acc=acc, input_precision=PRECISION)
         if ROWS_FIRST:
             acc = tl.trans(acc)
         ok = h_ok[:, None] & r_ok[None, :]
@@ -292,7 +315,8 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
         BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=blocks.rows, SPLIT=splits > 1,
         SPARSE=indices is not None, ROWS_FIRST=blocks.rows_first,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=blocks.warps,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", LAZY=blocks.lazy, GROWTH=LAZY_GROWTH,
+        num_warps=blocks.warps,
         num_stages=blocks.stages if indices is not None else blocks.dense_stages,
     )
     if splits > 1:
