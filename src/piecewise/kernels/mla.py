@@ -59,13 +59,6 @@ class LatentBlocks:
     ``tl.dot`` (measured no faster at 64 heads)."""
     dense_stages: int = 3
     """``num_stages`` over contiguous rows (no picks to load: as many row blocks in flight as ``stages``)."""
-    lazy: bool = False
-    """Rescale the running sum only when some head's maximum grew by more than ``LAZY_GROWTH`` (base 2) since the
-    last rescale (FlashAttention-4's rule): weights up to 2^8 in between, exact after the final division."""
-
-
-LAZY_GROWTH = 8.0
-"""Growth of a head's running maximum (log2 units) that forces a rescale when ``LatentBlocks.lazy``."""
 
 
 BLOCKS = {torch.bfloat16: LatentBlocks(), torch.float16: LatentBlocks(),
@@ -128,7 +121,7 @@ if triton is not None:
         HEADS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, SPARSE: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr, LAZY: tl.constexpr, GROWTH: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         # One flat grid, head blocks fastest: the programs that gather the same rows run side by side (L2 hits).
         program = tl.program_id(0)
@@ -186,13 +179,9 @@ if triton is not None:
                 s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=PRECISION) * qk_scale
                 s = tl.where(j_ok[None, :], s, float("-inf"))
                 block_max = tl.max(s, 1)
-            # Rescale to the new maxima: every step, or (LAZY) only when one grew by more than GROWTH; a head
-            # without a visible row yet keeps -inf (shift 0: exp2(-inf) = 0, not NaN).
-            if LAZY:
-                if tl.max(tl.where(block_max > row_max, block_max - row_max, 0.0), 0) > GROWTH:
-                    acc, row_sum, row_max = _rescale(acc, row_sum, row_max, block_max, ROWS_FIRST)
-            else:
-                acc, row_sum, row_max = _rescale(acc, row_sum, row_max, block_max, ROWS_FIRST)
+            # Rescale to the new maxima every step (rescaling only past a growth of 2^8, FlashAttention-4's rule,
+            # measured slower: the branch costs the pipelining more). A head without a visible row yet keeps -inf.
+            acc, row_sum, row_max = _rescale(acc, row_sum, row_max, block_max, ROWS_FIRST)
             shift = tl.where(row_max == float("-inf"), 0.0, row_max)
             if ROWS_FIRST:
                 weights = tl.math.exp2(s - shift[None, :])
@@ -315,8 +304,7 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
         BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=blocks.rows, SPLIT=splits > 1,
         SPARSE=indices is not None, ROWS_FIRST=blocks.rows_first,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", LAZY=blocks.lazy, GROWTH=LAZY_GROWTH,
-        num_warps=blocks.warps,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=blocks.warps,
         num_stages=blocks.stages if indices is not None else blocks.dense_stages,
     )
     if splits > 1:
