@@ -76,6 +76,9 @@ class Stats(MutableMapping):
     verify_seconds: float = 0.0
     prewarm_seconds: float = 0.0
     compile_seconds: float = 0.0
+    pieces_shared: int = 0
+    """Pieces that took the compiled code of an earlier identical piece (a model's layers) instead of compiling
+    (``compiler="inductor"``; see ``capture.compilers.piece_key``)."""
 
     def __getitem__(self, key: str) -> Any:
         if key not in _FIELDS:

@@ -119,6 +119,7 @@ class Regions:
             compiled += 1
         self.stats.eager_writes += len(writes)
         self.stats.compile_seconds += time.perf_counter() - started
+        self.stats.pieces_shared = self.compiler.shared
         logger.debug("piecewise: region compiled: %d piece(s), %d splitting call(s) or cut write(s)",
                      compiled, len(partitions) - compiled)
         region = Region(self.key, split.forward, fakes)

@@ -156,6 +156,7 @@ class DynamoFrontend:
     def _on_new_graph(self, runner: GraphRunner) -> None:
         self.traced_in_call = True
         self.stats.compile_seconds += runner.compile_seconds
+        self.stats.pieces_shared = self.compiler.shared
         if self.state.capture_done or self.stats.traces > 0:
             if self.state.capture_done:
                 runner.graphs_allowed = False

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..capture.compilers import PieceCompiler
+from ..capture.compilers import SharedCompiles
 from ..capture.pieces import PieceRunner
 from ..capture.splitop import SplitOpRunner
 from ..capture.state import CaptureState, Phase
@@ -23,7 +23,7 @@ class GraphRunner:
         self,
         graph: torch.fx.GraphModule,
         state: CaptureState,
-        compiler: PieceCompiler,
+        compiler: SharedCompiles,
         splitting_ops: frozenset[str],
         eager_writes: dict[torch.fx.Node, str] | None = None,
         after_break: bool = False,
