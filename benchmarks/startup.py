@@ -109,7 +109,7 @@ def child(case: str, tiny: bool, profile: bool) -> dict:
     stats = runner.stats
     return {"case": case, "first_call_s": first, "build_s": built, "cache": stats.cache, "frontend": stats.frontend,
             "frontend_reason": stats.frontend_reason, "graph_mode": stats.graph_mode,
-            "compile_s": stats.compile_seconds, "capture_s": stats.capture_seconds,
+            "compile_s": stats.compile_seconds, "pieces_shared": stats.pieces_shared, "capture_s": stats.capture_seconds,
             "prewarm_s": stats.prewarm_seconds, "verify_s": stats.verify_seconds, "graphs": stats.graphs,
             "full_graphs": stats.full_graphs, "sizes": len(stats.captured_sizes),
             "candidates": stats.candidates, "ms": ms}
@@ -165,13 +165,13 @@ def main() -> int:
             "command": "PYTHONPATH=src python benchmarks/startup.py " + " ".join(sys.argv[1:])}
     lines = [f"# First call, cold and with the cache warm ({meta['date']})", "",
              f"`{meta['command']}` · torch {meta['torch']} · {meta['device']}", "",
-             "| case | process | cache | first call s | compile s | capture s | warm-up s | mode | "
+             "| case | process | cache | first call s | compile s | pieces shared | capture s | warm-up s | mode | "
              + " | ".join(f"B={b} ms" for b in BATCHES) + " | process s |",
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(BATCHES) + "---|"]
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(BATCHES) + "---|"]
     for r in rows:
         mode = r["frontend"] + ("+" + r["graph_mode"] if r["graph_mode"] else "")
         lines.append(f"| {r['case']} | {r['run']} | {r['cache']} | {r['first_call_s']:.2f} | {r['compile_s']:.2f} | "
-                     f"{r['capture_s']:.2f} | {r['prewarm_s']:.2f} | {mode} | "
+                     f"{r['pieces_shared']} | {r['capture_s']:.2f} | {r['prewarm_s']:.2f} | {mode} | "
                      + " | ".join(f"{r['ms'][str(b)]:.3f}" for b in BATCHES) + f" | {r['process_s']:.1f} |")
     lines += ["", "Why each mode (the warm process):", ""]
     lines += [f"- {r['case']}: {r['frontend_reason'] or '(as configured)'}" for r in rows if r["run"] == "warm"]
