@@ -12,7 +12,8 @@ Cases (bf16 on CUDA, default graph modes, under ``torch.inference_mode()``):
   default ``CaptureConfig`` / ``compiler="auto"`` / ``compiler="inductor"``.
 Reported per process: the first call's seconds and where they went (compile, capture, warm-up, verify), the
 cache's answer, the mode taken and why, the ``compiler="auto"`` table, and ms per step at B = 1, 8, 32.
-``--profile``: a third process, warm, with its first call under cProfile (top 25 by own time, on stderr; not in
+``--profile``: a third process, warm, with its first call under cProfile (top 25 by own time, piecewise's functions by
+cumulative time, the callers of ``compile``; on stderr; not in
 the table).
 Writes startup.md and startup.json.
 """
@@ -103,7 +104,10 @@ def child(case: str, tiny: bool, profile: bool) -> dict:
         sync()
         if profiler:
             profiler.disable()
-            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+            report = pstats.Stats(profiler, stream=sys.stderr)
+            report.sort_stats("tottime").print_stats(25)
+            report.sort_stats("cumulative").print_stats(r"piecewise|builtins.compile", 45)
+            report.print_callers(r"builtins.compile")
         first = time.perf_counter() - started
         ms = {b: step_ms(runner, step(b)) for b in BATCHES}
     stats = runner.stats
