@@ -153,6 +153,30 @@ def test_the_timing_leaves_the_state_as_the_first_call_found_it_where_rows_are_s
     assert 8 in runner.stats["candidates"][0]["ms"]  # the size above the first call's count was timed
 
 
+def test_counts_the_forward_refuses_are_not_timed_and_its_refusal_still_reaches_the_user(measured, monkeypatch):
+    """A gpt-fast-style model whose cache holds fewer sequences (4) than the ladder's top (8): the search's call of
+    8 rows raises in the model. The first call still succeeds, the search times what it can, and a user's call of
+    too many rows gets the model's own error."""
+    from piecewise.models.decode import DecodeLlama
+    from piecewise.models.llama import LlamaConfig
+
+    monkeypatch.setattr(search, "CANDIDATES", ("eager", "eager"))
+    torch.manual_seed(0)
+    model = DecodeLlama(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                    head_dim=8, intermediate_size=64, max_seq_len=16)).eval()
+    ours = torch.randn(2, 2, 4, 2, 16, 8)
+    theirs = ours.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    with torch.no_grad():
+        for batch in (3, 4, 1):
+            ids, positions = torch.randint(0, 64, (batch,)), torch.randint(0, 16, (batch,))
+            torch.testing.assert_close(runner(ids, positions, ours), model(ids, positions, theirs))
+            torch.testing.assert_close(ours, theirs, msg=lambda m: f"the cache after a call of {batch}: {m}")
+        with pytest.raises(ValueError, match="tokens but the KV cache holds 4 sequences"):
+            runner(torch.randint(0, 64, (6,)), torch.randint(0, 16, (6,)), ours)
+    assert [sorted(c["ms"]) for c in runner.stats["candidates"]] == [[1]] * 2  # 8 refused
+
+
 def test_each_timed_size_counts_alike_so_a_prefill_does_not_drown_the_decode_steps(measured, monkeypatch):
     """Inductor 30% faster at one token and 4% slower at the top size: summed milliseconds would keep eager."""
     times = {"eager": {1: 1.0, 8: 10.0}, "inductor": {1: 0.7, 8: 10.4}}

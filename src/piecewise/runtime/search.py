@@ -209,7 +209,9 @@ def _timed(trial, arguments: dict[str, Any], beyond: bool, rounds: int = 5,
                 repeat = -(-size // tokens)
                 made = {**arguments, **{n: arguments[n].repeat(repeat, *[1] * (arguments[n].dim() - 1))[:size]
                                         for n in given}}
-            for _ in range(2):
+            if size > tokens and not _rehearsed(trial, made, size, tokens):
+                break  # the forward refuses more rows than the first call's: those counts are not timed
+            for _ in range(2 if size <= tokens else 1):
                 trial._call((), made)
             samples = []
             for _ in range(rounds):
@@ -227,6 +229,20 @@ def _timed(trial, arguments: dict[str, Any], beyond: bool, rounds: int = 5,
                                                                         "full_replays", "fallback_calls",
                                                                         "splitting_op_calls", "direct_calls")})
     return times
+
+
+def _rehearsed(trial, made: dict[str, Any], size: int, tokens: int) -> bool:
+    """One call of ``size`` rows made by repeating the first call's ``tokens``, where the forward may refuse them (a
+    gpt-fast-style model whose cache holds fewer sequences than the ladder's top): False, on every rank, where it
+    raised on any."""
+    try:
+        trial._call((), made)
+        failed = 0.0
+    except Exception as exc:  # noqa: BLE001 - the model's own refusal; the user's calls of that size would see it
+        logger.info("piecewise: compiler search: %d-row calls not timed (the forward raised %s: %s)", size,
+                    type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        failed = 1.0
+    return not _agreed([failed])[0]
 
 
 def _sync() -> None:
