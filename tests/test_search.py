@@ -131,17 +131,21 @@ def test_the_default_compiler_is_auto_and_the_environment_sets_another(monkeypat
         piecewise.CaptureConfig()
 
 
+def decode_llama():
+    """The bundled gpt-fast-style decode model (row b of a call is sequence b of the cache), small."""
+    from piecewise.models.decode import DecodeLlama
+    from piecewise.models.llama import LlamaConfig
+
+    torch.manual_seed(0)
+    return DecodeLlama(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                   head_dim=8, intermediate_size=64, max_seq_len=16)).eval()
+
 
 def test_the_timing_leaves_the_state_as_the_first_call_found_it_where_rows_are_sequences(measured, monkeypatch):
     """Timing a size above the first call's count repeats its rows; in a decode model whose row b is sequence b
     (gpt-fast's, the bundled DecodeLlama) those rows write other sequences' cache rows: put back after the search."""
-    from piecewise.models.decode import DecodeLlama
-    from piecewise.models.llama import LlamaConfig
-
     monkeypatch.setattr(search, "CANDIDATES", ("eager", "eager"))  # two candidates, both timed, nothing compiled
-    torch.manual_seed(0)
-    model = DecodeLlama(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                                    head_dim=8, intermediate_size=64, max_seq_len=16)).eval()
+    model = decode_llama()
     ours = torch.randn(2, 2, 8, 2, 16, 8)
     theirs = ours.clone()
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
@@ -157,13 +161,8 @@ def test_counts_the_forward_refuses_are_not_timed_and_its_refusal_still_reaches_
     """A gpt-fast-style model whose cache holds fewer sequences (4) than the ladder's top (8): the search's call of
     8 rows raises in the model. The first call still succeeds, the search times what it can, and a user's call of
     too many rows gets the model's own error."""
-    from piecewise.models.decode import DecodeLlama
-    from piecewise.models.llama import LlamaConfig
-
     monkeypatch.setattr(search, "CANDIDATES", ("eager", "eager"))
-    torch.manual_seed(0)
-    model = DecodeLlama(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                                    head_dim=8, intermediate_size=64, max_seq_len=16)).eval()
+    model = decode_llama()
     ours = torch.randn(2, 2, 4, 2, 16, 8)
     theirs = ours.clone()
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
