@@ -66,7 +66,11 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
         staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
         if fill == "copies":
             core.stager.fill_padding_with_copies(arguments, given, rows, size)
-        output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
+        try:
+            output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
+        except Exception as exc:
+            refuse_if_rows_refused(core, core.arguments.leading(arguments, rows), rows, size, arguments, exc)
+            raise
         results.append(core.finish(output, rows, size, clone=True))
     first.restore()
     for index, (zeros, copies) in enumerate(zip(*(torch.utils._pytree.tree_leaves(r) for r in results[1:3]))):
@@ -89,6 +93,37 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
                 f"real rows, or move it out of forward.",
                 "token_mixing", chain,
             )
+
+
+def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: int, arguments: dict[str, Any],
+                           error: Exception) -> None:
+    """A first-call run of ``made`` (``rows`` rows made from the first call's ``arguments``, padded to ``size``)
+    raised ``error`` in the forward: where the model's own forward refuses those rows too (per-sequence lengths or
+    offsets that must add up to the call's rows), a ``ForwardRefused`` saying what piecewise ran and what the
+    arguments must allow. Piecewise's own refusals, and errors the model's own forward does not raise, are left
+    to propagate."""
+    from ..errors import CaptureBlockedError, CaptureFailed
+
+    if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)) or \
+            type(error).__module__.startswith("torch._dynamo"):
+        return
+    tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
+    try:
+        with torch.no_grad(), forward_context(rows, rows, rehearsal=True):
+            core.model(**made)
+        return
+    except Exception as own:  # noqa: BLE001 - the model's own verdict on those rows
+        refusal = f"{type(own).__name__}: {str(own).splitlines()[0][:300] if str(own) else ''}"
+    raise ForwardRefused(
+        f"piecewise: the forward refuses a call of {rows} rows made from the first call's {tokens} ({refusal}). "
+        f"Every call runs padded, and the first call runs the forward on other row counts (here {rows}, padded to "
+        f"{size}) to check the padding and to capture each size, so the arguments must describe any rows taken "
+        f"from a call: per-token metadata (a position, a cache slot, a sequence index per token) does; per-sequence "
+        f"lengths or cumulative offsets that must add up to the call's rows do not. Pass per-token arguments and "
+        f"derive what a kernel needs inside a splitting op (piecewise.opaque_op(..., split=True)), which sees the "
+        f"real rows.",
+        "token_layout",
+    ) from error
 
 
 def check_one_token(core: Core, arguments: dict[str, Any]) -> None:

@@ -22,7 +22,8 @@ from ..frontends.dynamo_trace import DynamoBlocked
 from ..opaque import check_fakes, opaque_call_counts, resolve_splitting_ops
 from .bounds import drop_sizes_out_of_range
 from .capture_sizes import capture_all, out_of_memory
-from .checks import ModuleState, RandomState, check_one_token, check_padding, warn_changed_state
+from .checks import (ModuleState, RandomState, check_one_token, check_padding, refuse_if_rows_refused,
+                     warn_changed_state)
 from .core import Core
 from .full_graphs import check_full_padding
 from .verify import verify
@@ -218,7 +219,12 @@ def _rehearse(core: Core, arguments: dict[str, Any], count: int) -> Any:
     else:
         made = {**arguments, **{name: torch.cat([arguments[name], arguments[name][:count - tokens]])
                                 for name in given}}
-    return core.run_call(Call(Phase.PADDED, count, count), made, rehearsal=True)
+    try:
+        return core.run_call(Call(Phase.PADDED, count, count), made, rehearsal=True)
+    except Exception as exc:
+        if count < tokens:  # rows past the call's own: its first rows repeated (a batch-first call is named later)
+            refuse_if_rows_refused(core, made, count, count, arguments, exc)
+        raise
 
 
 def _reset_after(core: Core, exc: Exception, failing: Candidate, following: Candidate) -> str:

@@ -209,10 +209,9 @@ def _timed(trial, arguments: dict[str, Any], beyond: bool, rounds: int = 5,
                 repeat = -(-size // tokens)
                 made = {**arguments, **{n: arguments[n].repeat(repeat, *[1] * (arguments[n].dim() - 1))[:size]
                                         for n in given}}
-            if size > tokens and not _rehearsed(trial, made, size, tokens):
-                break  # the forward refuses more rows than the first call's: those counts are not timed
-            for _ in range(2 if size <= tokens else 1):
-                trial._call((), made)
+            if not _rehearsed(trial, made, size):
+                continue  # the forward refuses these rows (fewer or more than the first call's): not timed
+            trial._call((), made)
             samples = []
             for _ in range(rounds):
                 _sync()
@@ -231,10 +230,10 @@ def _timed(trial, arguments: dict[str, Any], beyond: bool, rounds: int = 5,
     return times
 
 
-def _rehearsed(trial, made: dict[str, Any], size: int, tokens: int) -> bool:
-    """One call of ``size`` rows made by repeating the first call's ``tokens``, where the forward may refuse them (a
-    gpt-fast-style model whose cache holds fewer sequences than the ladder's top): False, on every rank, where it
-    raised on any."""
+def _rehearsed(trial, made: dict[str, Any], size: int) -> bool:
+    """One call of ``size`` rows made from the first call's (its leading rows, or its rows repeated), which the
+    forward may refuse: a gpt-fast-style model whose cache holds fewer sequences than the ladder's top, per-sequence
+    lengths that no longer add up to the rows. False, on every rank, where it raised on any."""
     try:
         trial._call((), made)
         failed = 0.0
