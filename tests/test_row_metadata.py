@@ -3,6 +3,8 @@ any rows taken from a call, as the first call's checks and the captures take the
 lengths that must add up to the call's rows do not: the first call is refused, naming the model's own error and
 what to pass instead, rather than failing inside the model with a row count the user never gave."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,3 +64,31 @@ def test_per_token_sequence_indices_run_right(frontend):
         for sequence in ([0, 0, 1, 1, 1], [0, 1, 1], [2, 0, 0, 0, 1, 1]):
             x, metadata = torch.randn(len(sequence), 8), torch.tensor(sequence)
             torch.testing.assert_close(runner(x, metadata), model(x, metadata))
+
+
+@dataclasses.dataclass
+class Metadata:
+    """Per-token tensors inside an object, as SGLang's ForwardBatch and vLLM's attention metadata hold them."""
+
+    scale: torch.Tensor
+    sequence: torch.Tensor
+
+
+class ScaledByMetadata(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x, metadata: Metadata):
+        return self.a(x) * metadata.scale[:, None]  # eager broadcasts a 1-row x against 3 scales without a word
+
+
+@pytest.mark.parametrize("frontend", ["auto", "dynamo", "breakable"])
+def test_token_tensors_inside_an_argument_object_are_refused_naming_them(frontend):
+    runner = piecewise.compile(ScaledByMetadata().eval(),
+                               piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused) as info:
+        runner(torch.randn(3, 8), Metadata(torch.rand(3), torch.arange(3)))
+    assert info.value.kind == "token_layout"
+    assert "metadata.scale, metadata.sequence kept the first call's 3 rows" in str(info.value)
+    assert "Pass them as arguments of forward" in str(info.value)

@@ -104,16 +104,22 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     to propagate."""
     from ..errors import CaptureBlockedError, CaptureFailed
 
-    if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)) or \
-            type(error).__module__.startswith("torch._dynamo"):
-        return
+    if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)):
+        return  # (a trace's error where the model's own forward takes the rows is the trace's: propagated below)
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
-    try:
-        with torch.no_grad(), forward_context(rows, rows, rehearsal=True):
-            core.model(**made)
-        return
-    except Exception as own:  # noqa: BLE001 - the model's own verdict on those rows
-        refusal = f"{type(own).__name__}: {str(own).splitlines()[0][:300] if str(own) else ''}"
+    nested = _nested_rows(arguments, tokens)
+    refusal = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+    if not nested:  # else they are the cause: their rows stayed the first call's (eager may broadcast them)
+        try:
+            with torch.no_grad(), forward_context(rows, rows, rehearsal=True):
+                core.model(**made)
+            return
+        except Exception as own:  # noqa: BLE001 - the model's own verdict on those rows
+            refusal = f"{type(own).__name__}: {str(own).splitlines()[0][:300] if str(own) else ''}"
+    if nested:
+        refusal += (f". Tensors inside an argument do not carry tokens, only tensor arguments of forward do: "
+                    f"{', '.join(nested)} kept the first call's {tokens} rows. Pass them as arguments of forward "
+                    f"(a wrapper module can unpack the object)")
     raise ForwardRefused(
         f"piecewise: the forward refuses a call of {rows} rows made from the first call's {tokens} ({refusal}). "
         f"Every call runs padded, and the first call runs the forward on other row counts (here {rows}, padded to "
@@ -124,6 +130,24 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         f"real rows.",
         "token_layout",
     ) from error
+
+
+def _nested_rows(arguments: dict[str, Any], tokens: int) -> list[str]:
+    """Tensors with ``tokens`` rows held inside non-tensor arguments (a dataclass, a dict, a list, an object's
+    attributes: SGLang's ForwardBatch, vLLM's attention metadata), as ``argument.field``."""
+    found = []
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor) or value is None:
+            continue
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, (list, tuple)):
+            items = enumerate(value)
+        else:
+            items = vars(value).items() if hasattr(value, "__dict__") and not isinstance(value, type) else ()
+        found += [f"{name}.{key}" if not isinstance(key, int) else f"{name}[{key}]" for key, item in items
+                  if isinstance(item, torch.Tensor) and item.dim() > 0 and item.shape[0] == tokens]
+    return found
 
 
 def check_one_token(core: Core, arguments: dict[str, Any]) -> None:
