@@ -1,9 +1,12 @@
 """Per-call metadata as a vLLM or SGLang port passes it. Per-token metadata (a sequence index per token) describes
 any rows taken from a call, as the first call's checks and the captures take them, and runs right. Per-sequence
-lengths that must add up to the call's rows do not: the first call is refused, naming the model's own error and
-what to pass instead, rather than failing inside the model with a row count the user never gave."""
+lengths that must add up to the call's rows, and per-token tensors inside an argument object, do not: the first
+call is refused, naming the model's own error and what to pass instead. Tensors read from a global forward
+context: Dynamo reads them anew at every call; breakable, whose replays run no Python, refuses them naming the
+line (tensors kept on the model's modules are the model's)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -92,3 +95,75 @@ def test_token_tensors_inside_an_argument_object_are_refused_naming_them(fronten
     assert info.value.kind == "token_layout"
     assert "metadata.scale, metadata.sequence kept the first call's 3 rows" in str(info.value)
     assert "Pass them as arguments of forward" in str(info.value)
+
+
+class Context:
+    """An engine's forward context: tensors the caller puts there before each call."""
+
+    scale: torch.Tensor
+
+
+CONTEXT = Context()
+
+
+class ReadsTheContext(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) * CONTEXT.scale
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_breakable_refuses_a_tensor_read_from_a_global_naming_the_line_and_dynamo_reads_it_anew(compiler,
+                                                                                                monkeypatch):
+    """A breakable replay runs no Python: it would read the first call's tensor after the caller replaced it. With
+    Inductor regions the global is an input Dynamo lifted into the region (a stand-in compiler here: no C++ build)."""
+    from piecewise.capture import compilers
+
+    monkeypatch.setattr(compilers.InductorCompiler, "compile", lambda self, graph, example_inputs: graph.forward)
+    model = ReadsTheContext().eval()
+    CONTEXT.scale = torch.rand(8)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable", compiler=compiler,
+                                                              cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused) as info:
+        runner(torch.randn(3, 8))
+    assert info.value.kind == "frozen_value"
+    if compiler == "eager":
+        assert "`mul` at" in str(info.value) and "CONTEXT.scale" in str(info.value)  # the line, quoted
+    else:
+        assert re.search(r"a compiled region at .*its input `\w*context_scale\w*`", str(info.value), re.I)
+    assert "Pass it as an argument of forward, register it on a module" in str(info.value)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None))  # auto: Dynamo
+    with torch.no_grad():
+        for tokens in (3, 3, 5):
+            CONTEXT.scale = torch.rand(8)
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))
+    assert runner.stats.frontend == "dynamo"
+
+
+class ReadsItsOwnTable(torch.nn.Module):
+    """Tensors kept on modules without registering them, built in __init__ or on the first forward: the model's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.table = {"scale": torch.rand(8)}
+        self.cached = None
+
+    def forward(self, x):
+        if self.cached is None:
+            self.cached = torch.rand(8)
+        return self.a(x) * self.table["scale"] + self.cached
+
+
+def test_breakable_takes_tensors_the_model_keeps_on_its_modules():
+    torch.manual_seed(0)
+    model = ReadsItsOwnTable().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable", cache_dir=None))
+    with torch.no_grad():
+        for tokens in (3, 1, 6):
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))

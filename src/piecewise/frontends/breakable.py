@@ -62,6 +62,7 @@ class BreakableFrontend:
         self.calls: dict[tuple, SplitCall] = {}
         """Call site (kind, op, occurrence) → its ``SplitCall``, shared by every size."""
         self.kinds: dict[Any, str] = {}
+        self.module_storages: set[int] | None = None
         self.survey: Survey | None = None
         self.surveying: dict[tuple, Observed] | None = None
         self.logs: dict[tuple[int, bool], OpLog] = {}

@@ -30,7 +30,8 @@ from ..context import context, forward_context
 from ..errors import CaptureFailed, ForwardRefused, FullGraphRefused
 from ..graph.writes import ACCUMULATING_METHODS
 from ..opaque import captured_whole, opaque_op_info
-from .breakable_regions import inside_region
+from .breakable_outside import OutsideTensors
+from .breakable_regions import inside_region, watching_regions
 from .breakable_steps import Recording, Step, storage, written_indices
 from .breakable_survey import Observed, OpLog, shapes
 from .user_frames import chain_text, user_chain
@@ -48,6 +49,8 @@ class Owner(Protocol):
     """Storages of the model's parameters and buffers and of its static arguments."""
     kinds: dict[Any, str]
     """Op overload → what the interceptor does with it (``_kind``), decided once per op."""
+    module_storages: set[int] | None
+    """Storages of the model's tensors, for ``OutsideTensors`` (None: not walked yet)."""
 
     def split_call(self, key: tuple, func: Any, call: Any, leaves: list, spec: Any, cut: bool) -> SplitCall: ...
 
@@ -86,11 +89,16 @@ class Interceptor(TorchDispatchMode):
         self.calls = 0
         self.occurrences: dict[tuple, int] = {}
         self.where = "the start of the forward"
+        self.outside: OutsideTensors | None = None
+        """While the first call's runs are checked: what the forward may read (``breakable_outside``)."""
 
     def forward(self, arguments: dict[str, Any]) -> Any:
+        if self.log is not None:
+            self.outside = OutsideTensors(self.frontend, arguments)
         self._begin()
         try:
-            output = self.frontend.call_forward(arguments)
+            with watching_regions(self.outside):
+                output = self.frontend.call_forward(arguments)
         except BaseException as exc:
             capturing = self.segment is not None
             self._abort()
@@ -161,6 +169,14 @@ class Interceptor(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.quiet:
             return func(*args, **(kwargs or {}))
+        if self.outside is None or inside_region():
+            return self._dispatch(func, args, kwargs)
+        self.outside.check(f"`{func.overloadpacket.__name__}`", args, kwargs)
+        result = self._dispatch(func, args, kwargs)
+        self.outside.made(result)
+        return result
+
+    def _dispatch(self, func, args: tuple, kwargs: dict | None) -> Any:
         kind = self.kinds.get(func)
         if kind is None:
             kind = self.kinds[func] = _kind(func, self.frontend.splitting)

@@ -122,7 +122,8 @@ class Regions:
         self.stats.pieces_shared = self.compiler.shared
         logger.debug("piecewise: region compiled: %d piece(s), %d splitting call(s) or cut write(s)",
                      compiled, len(partitions) - compiled)
-        region = Region(self.key, split.forward, fakes)
+        region = Region(self.key, split.forward, fakes,
+                        [node.name for node in graph.graph.nodes if node.op == "placeholder"])
         self.used.add(region)  # its guards were checked above: adopt() is for regions other runners compiled
         self.stats.compiled_regions = len(self.used)
         return region
@@ -204,20 +205,43 @@ _ACTIVE: list[Regions] = []
 class Region:
     """What the backend returns for one region: its compiled split graph, and what makes it valid for a runner."""
 
-    def __init__(self, key: tuple, function: Callable, example_inputs: list):
+    def __init__(self, key: tuple, function: Callable, example_inputs: list, labels: list[str] | None = None):
         self.key, self.function, self.example_inputs = key, function, example_inputs
+        self.labels = labels
+        """The inputs' names in Dynamo's graph (``l_self_...``, ``g_context_...``): where each came from."""
 
     def __call__(self, *args):
         if _ACTIVE and self not in _ACTIVE[-1].used:
             _ACTIVE[-1].adopt(self)
+        watcher = _WATCHERS[-1] if _WATCHERS and _INSIDE[0] == 0 else None
+        if watcher is not None:  # its inputs: what Dynamo lifted, globals included (``breakable_outside``)
+            watcher.check("a compiled region", args, None, self.labels)
         _INSIDE[0] += 1
         try:
-            return self.function(*args)
+            result = self.function(*args)
         finally:
             _INSIDE[0] -= 1
+        if watcher is not None:
+            watcher.made(result)
+        return result
 
 
 _INSIDE = [0]
+_WATCHERS: list = []
+
+
+@contextlib.contextmanager
+def watching_regions(watcher):
+    """While a checked run lasts, the compiled regions' inputs and outputs go to ``watcher`` (an
+    ``OutsideTensors``; None: nothing watched)."""
+    if watcher is None:
+        yield
+        return
+    _WATCHERS.append(watcher)
+    try:
+        yield
+    finally:
+        _WATCHERS.pop()
 
 
 def inside_region() -> bool:

@@ -1,0 +1,103 @@
+"""Tensors a breakable forward reads from outside: not an argument, not the model's state, not made by the run.
+
+A breakable replay runs no Python of the forward: its graphs, and the splitting ops between them, read the tensors
+the capture read, where they were. A tensor the forward takes from a global or an object of its own (an engine's
+forward context, a table built at import) would be read at its first-call address on every later call, though
+the caller put a new tensor there (stale values, or freed memory). Dynamo re-reads such tensors at every call; the
+breakable front-end refuses them at the first call, naming the op (or the compiled region, whose inputs are what
+Dynamo lifted, globals included) and the line, where its runs are checked (``OutsideTensors``). Known: the run's arguments (to any depth of objects), the model's parameters, buffers and
+tensor attributes (of its modules, to any depth of containers and objects), the front-end's static and staged
+tensors, the splitting calls' buffers, and whatever an op of the run made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..errors import ForwardRefused
+from .breakable_steps import storage
+from .user_frames import chain_text, user_chain
+
+_DEPTH = 4
+"""Levels of containers and objects searched for tensors below an argument or a module attribute."""
+
+
+def tensors_within(value: Any, depth: int = _DEPTH, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """The tensors in ``value``: itself, or in its lists, tuples, dicts and plain objects' attributes, to ``depth``
+    levels (modules are walked by their owner)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or depth < 0:
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
+        return []
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        items = list(getattr(value, "__dict__", {}).values())
+    return [t for item in items for t in tensors_within(item, depth - 1, seen)]
+
+
+class OutsideTensors:
+    """One checked run's known tensors (by storage), and the check of an op's inputs against them."""
+
+    def __init__(self, frontend: Any, arguments: dict[str, Any]):
+        self.frontend = frontend
+        self.known: set[int] = {storage(t) for t in tensors_within(arguments) if _checkable(t)}
+
+    def made(self, result: Any) -> None:
+        """Note what an op of the run returned."""
+        for value in tree_leaves(result):
+            if isinstance(value, torch.Tensor) and _checkable(value):
+                self.known.add(storage(value))
+
+    def check(self, name: str, args: tuple, kwargs: dict | None, labels: list[str] | None = None) -> None:
+        """Refuse an op (or a compiled region, ``labels`` naming its inputs) that reads a tensor from outside (see
+        the module's docstring)."""
+        for index, value in enumerate(tree_leaves((args, kwargs or {}))):
+            if not isinstance(value, torch.Tensor) or not _checkable(value):
+                continue
+            pointer = storage(value)
+            if pointer in self.known or self._kept(value, pointer):
+                continue
+            if pointer in self._modules(refresh=True):  # an attribute the forward assigned during this run
+                continue
+            where = chain_text(user_chain()[-1:]) or "an unknown line"
+            if labels is not None and index < len(labels):
+                where += f" (its input `{labels[index]}`)"
+            raise ForwardRefused(
+                f"piecewise: {name} at {where} reads a tensor of shape "
+                f"{tuple(value.shape)} that is neither an argument of forward, nor a parameter, buffer or tensor "
+                f"attribute of the model, nor made by the forward: a global or an object's attribute (an engine's "
+                f"forward context, a table built at import). The breakable front-end replays without running the "
+                f"forward's Python, so every later call would read this tensor where it is now, even after the "
+                f"caller put another in its place. Pass it as an argument of forward, register it on a module "
+                f"(register_buffer), or read it inside a splitting op (piecewise.opaque_op(..., split=True)). The "
+                f"Dynamo front-end reads it anew at every call.",
+                "frozen_value", user_chain(),
+            )
+
+    def _kept(self, value: torch.Tensor, pointer: int) -> bool:
+        frontend = self.frontend
+        return pointer in frontend.static or pointer in frontend.state.buffer_storages or \
+            frontend.stager.owns(value) or pointer in self._modules(refresh=False)
+
+    def _modules(self, refresh: bool) -> set[int]:
+        """The model's tensors (kept on the front-end across runs; walked again where a tensor is not among them)."""
+        if self.frontend.module_storages is None or refresh:
+            found = [t for module in self.frontend.model.modules() for t in tensors_within(
+                {k: v for k, v in vars(module).items() if k != "_modules"})]
+            self.frontend.module_storages = {storage(t) for t in found if _checkable(t)}
+        return self.frontend.module_storages
+
+
+def _checkable(tensor: torch.Tensor) -> bool:
+    """A plain tensor with memory of its own (not meta, not a subclass whose storage is not its data)."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and tensor.device.type != "meta"
