@@ -13,6 +13,24 @@ os.environ.setdefault("PIECEWISE_CACHE_DIR", "off")
 if torch.cuda.is_available():
     os.environ.setdefault("PIECEWISE_COMPILER", "eager")
 
+
+
+def _share_the_cores() -> None:
+    """pytest-xdist's workers each take their share of the cores for torch's threads (one each on 2 cores with 2
+    workers), and so do the processes a test starts (a parallel test's ranks, a CLI run), through OMP_NUM_THREADS.
+    With torch's default, a thread per core in every worker, the workers' threads outnumber the cores and wait on
+    each other. A thread count given in OMP_NUM_THREADS is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores()
+
 GPU_TEST_SECONDS = int(os.environ.get("PIECEWISE_GPU_TEST_SECONDS", "300"))
 """A GPU test still running after this long prints every thread's stack and ends the run (a hang, e.g. a
 collective that never completes, would otherwise use up a whole device session)."""
