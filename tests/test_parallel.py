@@ -1,8 +1,10 @@
 """Tensor parallelism on CPU: two gloo ranks, sharded layers, the all-reduce as a splitting op.
 
-Each multi-rank test spawns fresh interpreters (``spawn``, never ``fork``), which meet through a file in a
-directory of their own (``init_method="file://..."``: no ports to collide), with a timeout on the rendezvous and
-the collectives and a deadline on the whole run, after which the ranks are killed and the test fails. Each rank
+The ranks are fresh interpreters (``spawn``, never ``fork``), which meet through a file in a directory of
+their own (``init_method="file://..."``: no ports to collide), with a timeout on the rendezvous and the
+collectives and a deadline on the whole run, after which the ranks are killed and the test fails. The tests of one
+worker function share one spawn (``shared_ranks``): each test's case runs in turn, in a process group of its own,
+and the test fails with its own case's traceback. Each rank
 destroys its process group and then checks that gloo's threads are gone: a group kept alive past
 ``destroy_process_group`` left them running while the interpreter shut down, and one of them releasing its last
 work then (it takes the GIL) aborted the rank now and then (SIGABRT, "terminate called without an active
@@ -13,6 +15,7 @@ import gc
 import os
 import tempfile
 import time
+import traceback
 import weakref
 from datetime import timedelta
 
@@ -30,7 +33,9 @@ from piecewise.parallel import Column, RowParallel, shard_layer, shard_modules
 
 CONFIG = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96)
 RANKS_SECONDS = 300
-"""Deadline for all ranks of one test (spawn, imports, compiling on a loaded 2-core machine included)."""
+"""Deadline for all ranks of one spawn (imports, compiling on a loaded 2-core machine included)..."""
+CASE_SECONDS = 60
+"""... and for each further case a shared spawn runs (one takes about 10 s there)."""
 COLLECTIVE_SECONDS = 120
 """Timeout of the rendezvous and of each collective: a rank whose peer died or hangs fails instead of waiting."""
 
@@ -84,6 +89,42 @@ def run_ranks(worker, *args, world: int = 2, seconds: float = RANKS_SECONDS) -> 
                 process.join()
 
 
+def _cases_worker(rank: int, init_file: str, cases: list[tuple], outcomes: str) -> None:
+    """Each ``(name, worker, args)`` of ``cases`` in turn, as ``worker(rank, its own init file, *args)``: in a process
+    group of its own. It leaves ``<name>.<rank>.ok`` in ``outcomes`` when it returns, its traceback in
+    ``<name>.<rank>`` when it raises (and the next case runs)."""
+    for index, (name, worker, args) in enumerate(cases):
+        try:
+            worker(rank, f"{init_file}-{index}", *args)
+        except Exception:
+            with open(os.path.join(outcomes, f"{name}.{rank}"), "w") as failure:
+                failure.write(traceback.format_exc())
+        else:
+            open(os.path.join(outcomes, f"{name}.{rank}.ok"), "w").close()
+
+
+def shared_ranks(request, directory, cases: dict) -> str:
+    """One spawn of the ranks for the tests of this module that this session runs and ``cases`` names (test
+    function → its parameters → ``(worker, args)``), each test's case in collection order (a spawn's start and
+    imports are several seconds of a 2-core machine). For a module-scoped fixture; returns the outcomes' directory,
+    which ``expect_case`` reads."""
+    items = [item for item in request.session.items if item.module is request.module and item.originalname in cases]
+    run_ranks(_cases_worker, [(item.name, *cases[item.originalname](**item.callspec.params)) for item in items],
+              str(directory), seconds=RANKS_SECONDS + CASE_SECONDS * max(0, len(items) - 1))
+    return str(directory)
+
+
+def expect_case(outcomes: str, request, world: int = 2) -> None:
+    """This test's case returned on every rank; else the test fails with the ranks' tracebacks."""
+    name = request.node.name
+    failed = [f"rank {rank}:\n" + open(os.path.join(outcomes, f"{name}.{rank}")).read() for rank in range(world)
+              if os.path.exists(os.path.join(outcomes, f"{name}.{rank}"))]
+    if failed:
+        pytest.fail("\n".join(failed), pytrace=False)
+    missing = [rank for rank in range(world) if not os.path.exists(os.path.join(outcomes, f"{name}.{rank}.ok"))]
+    assert not missing, f"{name}: ranks {missing} did not run this case"
+
+
 def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool, frontend: str = "auto") -> None:
     with gloo_rank(rank, init_file):
         model, (ids, positions, _) = example(tokens=7, **CONFIG)  # same seed, so the same weights on every rank
@@ -119,17 +160,26 @@ def _worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool, frontend: st
         assert opaque_op_info(op).eager_calls - calls >= 2 * 2 * 2
 
 
+@pytest.fixture(scope="module")
+def ranks(request, tmp_path_factory):
+    return shared_ranks(request, tmp_path_factory.mktemp("ranks"), {
+        "test_two_ranks_equal_the_whole_model_eager_and_piecewise":
+            lambda nvfp4, in_graph: (_worker, (nvfp4, in_graph)),
+        "test_two_ranks_with_the_breakable_front_end_equal_the_whole_model":
+            lambda in_graph: (_worker, (False, in_graph, "breakable"))})
+
+
 @pytest.mark.parametrize("nvfp4,in_graph", [(False, False), (True, False), (False, True)],
                          ids=["fp32", "nvfp4", "fp32-all-reduce-in-pieces"])
-def test_two_ranks_equal_the_whole_model_eager_and_piecewise(nvfp4, in_graph):
+def test_two_ranks_equal_the_whole_model_eager_and_piecewise(nvfp4, in_graph, ranks, request):
     """Each rank's output (eager, then piecewise at 7 and 3 tokens) equals the unsharded model's."""
-    run_ranks(_worker, nvfp4, in_graph)
+    expect_case(ranks, request)
 
 
 @pytest.mark.parametrize("in_graph", [False, True], ids=["all-reduce-split", "all-reduce-in-segments"])
-def test_two_ranks_with_the_breakable_front_end_equal_the_whole_model(in_graph):
+def test_two_ranks_with_the_breakable_front_end_equal_the_whole_model(in_graph, ranks, request):
     """The breakable front-end: the all-reduce as a splitting op between segments, or run inside them."""
-    run_ranks(_worker, False, in_graph, "breakable")
+    expect_case(ranks, request)
 
 
 def test_all_reduce_is_a_splitting_op_unless_captured():

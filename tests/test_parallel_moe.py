@@ -1,13 +1,14 @@
 """Tensor parallelism on CPU for mixture-of-experts models: a transformers GLM-MoE and the bundled GLM-style MoE
 on two gloo ranks (attention, MLPs, shared and routed experts sharded), equal to the whole model. The ranks'
-harness (spawned interpreters, timeouts, gloo's threads checked) is ``test_parallel``'s."""
+harness (spawned interpreters, timeouts, gloo's threads checked, one spawn for the module's tests) is
+``test_parallel``'s."""
 
 import pytest
 import torch
 
 import piecewise
 from piecewise.kernels.nvfp4 import quantize_linears
-from test_parallel import gloo_rank, rel_error, run_ranks
+from test_parallel import expect_case, gloo_rank, rel_error, shared_ranks
 
 
 def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
@@ -54,11 +55,20 @@ def _transformers_worker(rank: int, init_file: str, nvfp4: bool) -> None:
                 assert rel_error(step[0], expected[position]) <= 1e-5, position
 
 
+@pytest.fixture(scope="module")
+def ranks(request, tmp_path_factory):
+    return shared_ranks(request, tmp_path_factory.mktemp("ranks"), {
+        "test_a_transformers_glm_moe_on_two_ranks_equals_the_whole_model":
+            lambda nvfp4: (_transformers_worker, (nvfp4,)),
+        "test_the_glm_moe_example_on_two_ranks_equals_the_whole_model":
+            lambda nvfp4, in_graph: (_glm_moe_worker, (nvfp4, in_graph))})
+
+
 @pytest.mark.parametrize("nvfp4", [False, True], ids=["fp32", "nvfp4-grouped-experts"])
-def test_a_transformers_glm_moe_on_two_ranks_equals_the_whole_model(nvfp4):
+def test_a_transformers_glm_moe_on_two_ranks_equals_the_whole_model(nvfp4, request):
     """Attention, MLPs, shared and routed experts sharded; prefill and decode steps equal the whole model."""
     pytest.importorskip("transformers")
-    run_ranks(_transformers_worker, nvfp4)
+    expect_case(request.getfixturevalue("ranks"), request)
 
 
 def _glm_moe_worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> None:
@@ -94,6 +104,6 @@ def _glm_moe_worker(rank: int, init_file: str, nvfp4: bool, in_graph: bool) -> N
 
 @pytest.mark.parametrize("nvfp4,in_graph", [(False, False), (True, True)],
                          ids=["fp32", "nvfp4-grouped-all-reduce-in-pieces"])
-def test_the_glm_moe_example_on_two_ranks_equals_the_whole_model(nvfp4, in_graph):
+def test_the_glm_moe_example_on_two_ranks_equals_the_whole_model(nvfp4, in_graph, ranks, request):
     """Routed and shared experts keep half their intermediate dimension, one all-reduce per MoE block."""
-    run_ranks(_glm_moe_worker, nvfp4, in_graph)
+    expect_case(ranks, request)
