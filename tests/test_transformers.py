@@ -11,15 +11,16 @@ from piecewise.integrations.transformers import TokenModel, enable  # noqa: E402
 from piecewise.models.glm_moe import GlmMoeConfig, route  # noqa: E402
 
 
-def glm_moe(experts_implementation=None, layers=3, experts=8):
+def glm_moe(experts_implementation=None, layers=3, experts=8, dense=1):
     """A 3-layer Glm4MoeForCausalLM (1 dense + 2 MoE layers) with qk-norm, q/k/v bias, partial rotary, and
-    router weights and correction bias large enough that routing varies across tokens. (Fewer ``layers`` and
-    ``experts`` for Dynamo's traces of transformers' eager expert loop: a frame per expert, each traced again.)"""
+    router weights and correction bias large enough that routing varies across tokens. (Fewer ``layers``,
+    ``dense`` ones and ``experts`` for Dynamo's traces of transformers' eager expert loop: each graph break in it
+    traces transformers' wrappers around the layers again.)"""
     torch.manual_seed(0)
     config = transformers.Glm4MoeConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=experts, num_experts_per_tok=2,
-        n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, partial_rotary_factor=0.5,
+        n_group=2, topk_group=1, first_k_dense_replace=dense, n_shared_experts=1, partial_rotary_factor=0.5,
         use_qk_norm=True, attention_bias=True)
     model = transformers.Glm4MoeForCausalLM(config).eval()
     for module in model.modules():
@@ -54,7 +55,7 @@ def test_glm_moe_under_piecewise_equals_transformers_eager():
 
 
 def test_doctor_names_the_transformers_expert_loop():
-    model = glm_moe(experts_implementation="eager", layers=2, experts=4)
+    model = glm_moe(experts_implementation="eager", layers=1, experts=4, dense=0)  # one MoE layer
     report = piecewise.doctor(TokenModel(model), torch.randint(0, 256, (9,)), torch.arange(9))
     assert not report.ok
     lines = {(b.kind, b.location.code.strip()) for b in report.blockers}
@@ -75,7 +76,7 @@ def test_the_runtime_names_the_blockers_of_transformers_eager_expert_loop_instea
 
     from piecewise.diagnostics import CaptureBlockedError
 
-    runner = piecewise.compile(TokenModel(glm_moe(experts_implementation="eager", layers=2, experts=4)),
+    runner = piecewise.compile(TokenModel(glm_moe(experts_implementation="eager", layers=1, experts=4, dense=0)),
                                piecewise.CaptureConfig(max_tokens=16, frontend="dynamo"))
     with torch.no_grad(), warnings.catch_warnings(), pytest.raises((CaptureBlockedError, ForwardRefused)) as failure:
         warnings.simplefilter("ignore")
