@@ -67,14 +67,14 @@ def test_a_layer_that_differs_is_compiled_apart(compiled, frontend, change):
     assert runner.stats.pieces_shared == 1 if frontend == "dynamo" else runner.stats.pieces_shared >= 1
 
 
-def test_no_sharing_when_inductor_freezes_the_parameters(compiled, monkeypatch):
+def test_no_sharing_when_inductor_freezes_the_parameters(compiled):
     """Frozen parameters become constants of the compiled code: a layer's code would carry its own weights."""
     from torch._inductor import config
 
-    monkeypatch.setattr(config, "freezing", True)
     torch.manual_seed(0)
     model, (ids, positions, cache) = example(tokens=5, num_layers=4)
-    runner = run(model, ids, positions, cache, "dynamo")
+    with config.patch(freezing=True):  # (monkeypatch's undo deletes a config option: later compiles would fail)
+        runner = run(model, ids, positions, cache, "dynamo")
     assert len(compiled) == 5 and runner.stats.pieces_shared == 0
 
 
