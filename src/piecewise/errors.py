@@ -34,6 +34,12 @@ class BlockerKind(str, enum.Enum):
         return self.value
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: the message's first line`` (cut to ``limit``), for a message that quotes another error."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:limit] if lines else ''}"
+
+
 class ForwardRefused(ValueError):
     """A forward piecewise cannot run correctly with padding and repeated first-call runs. ``kind`` is the
     doctor's blocker kind; ``chain`` the model frames involved, forward first."""

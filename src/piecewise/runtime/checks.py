@@ -19,7 +19,7 @@ import torch
 from .. import _compat
 from ..capture.state import Call, Phase
 from ..context import forward_context
-from ..errors import ForwardRefused
+from ..errors import ForwardRefused, first_line
 from .core import Core
 from .verify import rel_error, tolerance
 
@@ -108,18 +108,17 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         return  # (a trace's error where the model's own forward takes the rows is the trace's: propagated below)
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
     nested = _nested_rows(arguments, tokens)
-    refusal = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
-    if not nested:  # else they are the cause: their rows stayed the first call's (eager may broadcast them)
+    if nested:  # they are the cause: their rows stayed the first call's (eager may even broadcast them)
+        refusal = (f"{first_line(error)}. Tensors inside an argument do not carry tokens, only tensor arguments of "
+                   f"forward do: {', '.join(nested)} kept the first call's {tokens} rows. Pass them as arguments of "
+                   f"forward (a wrapper module can unpack the object)")
+    else:
         try:
             with torch.no_grad(), forward_context(rows, rows, rehearsal=True):
                 core.model(**made)
             return
         except Exception as own:  # noqa: BLE001 - the model's own verdict on those rows
-            refusal = f"{type(own).__name__}: {str(own).splitlines()[0][:300] if str(own) else ''}"
-    if nested:
-        refusal += (f". Tensors inside an argument do not carry tokens, only tensor arguments of forward do: "
-                    f"{', '.join(nested)} kept the first call's {tokens} rows. Pass them as arguments of forward "
-                    f"(a wrapper module can unpack the object)")
+            refusal = first_line(own)
     raise ForwardRefused(
         f"piecewise: the forward refuses a call of {rows} rows made from the first call's {tokens} ({refusal}). "
         f"Every call runs padded, and the first call runs the forward on other row counts (here {rows}, padded to "

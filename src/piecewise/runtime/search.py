@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ..errors import first_line
+
 logger = logging.getLogger(__name__)
 
 CANDIDATES = ("eager", "inductor")
@@ -175,7 +177,7 @@ def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[li
         if error is not None:
             failures.append(error)
             rows.append({"compiler": compiler,
-                         "error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"})
+                         "error": first_line(error, 160)})
             continue
         first = time.perf_counter() - started
         spent += first
@@ -238,8 +240,8 @@ def _rehearsed(trial, made: dict[str, Any], size: int) -> bool:
         trial._call((), made)
         failed = 0.0
     except Exception as exc:  # noqa: BLE001 - the model's own refusal; the user's calls of that size would see it
-        logger.info("piecewise: compiler search: %d-row calls not timed (the forward raised %s: %s)", size,
-                    type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        logger.info("piecewise: compiler search: %d-row calls not timed (the forward raised %s)", size,
+                    first_line(exc, 200))
         failed = 1.0
     return not _agreed([failed])[0]
 
