@@ -167,3 +167,26 @@ def test_breakable_takes_tensors_the_model_keeps_on_its_modules():
         for tokens in (3, 1, 6):
             x = torch.randn(tokens, 8)
             torch.testing.assert_close(runner(x), model(x))
+
+
+class BuildsConstants(torch.nn.Module):
+    """Tensors built from Python data inside forward (``torch.tensor``), as transformers' cache layers start empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        keys = torch.cat([torch.tensor([], dtype=x.dtype, device=x.device), x[:, 0]])
+        return self.a(x) * torch.tensor([0.5, 2.0] * 4, device=x.device) + keys[:, None]
+
+
+def test_breakable_takes_tensors_the_forward_builds_from_python_data():
+    torch.manual_seed(0)
+    model = BuildsConstants().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable", cache_dir=None))
+    with torch.no_grad():
+        for tokens in (3, 1, 6):
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))
+    assert runner.stats.frontend == "breakable"

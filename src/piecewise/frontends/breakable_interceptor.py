@@ -38,6 +38,11 @@ from .user_frames import chain_text, user_chain
 
 
 
+
+_CONSTRUCTED = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy, torch.ops.aten.lift)
+"""Ops that take a tensor the forward just built from Python data (``torch.tensor([...])``, transformers' empty
+cache layers): made by the run, though no op made it."""
+
 class Owner(Protocol):
     """What the interceptor reads of the breakable front-end that runs it."""
 
@@ -171,7 +176,8 @@ class Interceptor(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         if self.outside is None or inside_region():
             return self._dispatch(func, args, kwargs)
-        self.outside.check(f"`{func.overloadpacket.__name__}`", args, kwargs)
+        if func.overloadpacket not in _CONSTRUCTED:
+            self.outside.check(f"`{func.overloadpacket.__name__}`", args, kwargs)
         result = self._dispatch(func, args, kwargs)
         self.outside.made(result)
         return result
