@@ -159,16 +159,6 @@ class ReadsItsOwnTable(torch.nn.Module):
         return self.a(x) * self.table["scale"] + self.cached
 
 
-def test_breakable_takes_tensors_the_model_keeps_on_its_modules():
-    torch.manual_seed(0)
-    model = ReadsItsOwnTable().eval()
-    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable", cache_dir=None))
-    with torch.no_grad():
-        for tokens in (3, 1, 6):
-            x = torch.randn(tokens, 8)
-            torch.testing.assert_close(runner(x), model(x))
-
-
 class BuildsConstants(torch.nn.Module):
     """Tensors built from Python data inside forward (``torch.tensor``), as transformers' cache layers start empty."""
 
@@ -181,9 +171,10 @@ class BuildsConstants(torch.nn.Module):
         return self.a(x) * torch.tensor([0.5, 2.0] * 4, device=x.device) + keys[:, None]
 
 
-def test_breakable_takes_tensors_the_forward_builds_from_python_data():
+@pytest.mark.parametrize("make", [ReadsItsOwnTable, BuildsConstants])
+def test_breakable_takes_tensors_the_model_keeps_or_the_forward_builds(make):
     torch.manual_seed(0)
-    model = BuildsConstants().eval()
+    model = make().eval()
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable", cache_dir=None))
     with torch.no_grad():
         for tokens in (3, 1, 6):
