@@ -545,19 +545,61 @@ def test_a_batch_first_model_with_its_cache_in_buffers_runs_with_tokens_first():
     assert runner.stats["eager_writes"] == 4 and runner.stats["padded_calls"] >= 2 and runner.stats["traces"] == 1
 
 
-def test_a_batch_first_call_is_refused_with_the_token_dimension_named():
-    """Called as [1, T], piecewise sees 1 token and ``input_pos`` (T rows) as static; the next call's error says
-    why."""
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+@pytest.mark.parametrize("dynamic", [None, {"idx": 1, "input_pos": 0}])
+def test_a_batch_first_model_runs_called_in_its_own_layout(frontend, dynamic):
+    """gpt-fast called as it is: ids [1, T] (the tokens in dimension 1, found by themselves or named), positions [T],
+    caches in buffers. Prefill, a second chunk and decode steps equal eager, caches included."""
     from fixtures.state_models import BatchFirstCache
 
+    torch.manual_seed(0)
     model = BatchFirstCache().eval()
-    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
-    ids = torch.randint(0, 100, (1, 7))
+    ids = torch.randint(0, 100, (1, 11))
+
+    def generate(call):
+        for layer in model.layers:
+            layer.k.zero_()
+            layer.v.zero_()
+        with torch.no_grad():
+            steps = [call(ids[:, :6], torch.arange(6)), call(ids[:, 6:9], torch.arange(6, 9))]  # padded to 8 and 4
+            steps += [call(ids[:, p : p + 1], torch.tensor([p])) for p in range(9, 11)]
+        return torch.cat(steps, dim=1), [layer.k.clone() for layer in model.layers]
+
+    expected, expected_cache = generate(model)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None),
+                               dynamic=dynamic)
+    got, cache = generate(runner)
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(cache, expected_cache):
+        torch.testing.assert_close(a, b)
+    assert runner.token_arguments == {"idx": 1, "input_pos": 0}
+    assert runner.stats["padded_calls"] >= 2 and runner.stats["eager_calls"] == 0
+
+
+class Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+@pytest.mark.parametrize("first", [(3, 4), (1, 4)])
+def test_a_token_arguments_other_dimension_that_changes_runs_eagerly_naming_it(first):
+    """The buffers a token argument is staged in have the first call's other dimensions: a call that changes one
+    runs the model's own forward, with a warning naming the dimension (and, where the first call had one row, how
+    to name a batch-first token dimension)."""
+    runner = piecewise.compile(Scale(), piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
     with torch.no_grad():
-        runner(ids[:, :6], torch.arange(6))
-        with pytest.raises(ValueError, match=r"At the first call 'input_pos' had 6 rows and 'idx' shape \(1, 6\): "
-                                             r"piecewise takes dimension 0 as the token dimension"):
-            runner(ids[:, 6:], torch.tensor([6]))
+        runner(torch.randn(*first))
+        x = torch.randn(first[0], 6)
+        with pytest.warns(UserWarning, match=rf"argument 'x' has shape \({first[0]}, 6\) and had \({first[0]}, 4\) "
+                                             rf"at the first call \(dimension 1\)") as caught:
+            torch.testing.assert_close(runner(x), x * 2)
+    hint = "if dimension 1 carries the tokens ([batch, tokens]), pass dynamic={'x': 1, ...}"
+    assert (hint in str(caught[0].message)) == (first[0] == 1)
+    assert runner.stats["eager_calls"] == 1
 
 
 @pytest.mark.parametrize("update", ["+=", "add_", "index_put_accumulate"])

@@ -355,9 +355,31 @@ def test_continuous_batching_example_generates_what_greedy_decoding_of_each_prom
 
 def test_doctor_on_a_batch_first_call_says_how_to_call_the_model_never_capture_safe():
     model = glm_moe()
-    report = piecewise.doctor(model, torch.randint(0, 256, (1, 12)))
+    embeds = torch.randn(1, 12, model.config.hidden_size)  # [1, T, H]: dimension 0 would be taken as the tokens
+    report = piecewise.doctor(model, inputs_embeds=embeds)
     assert not report.ok and [b.kind for b in report.blockers] == ["batch_first"]
-    assert "(1, 12)" in report.blockers[0].message and "TokenModel(enable(model))" in report.blockers[0].fix
+    assert "(1, 12, 64)" in report.blockers[0].message and "dynamic=" in report.blockers[0].fix
     assert "capture-safe" not in str(report)
     one_token = piecewise.doctor(torch.nn.Linear(8, 8), torch.randn(1, 8))  # a [T=1, hidden] call is tokens-first
     assert one_token.ok
+
+
+def test_a_plain_transformers_model_called_batch_first_equals_eager_and_its_cache_object_is_refused():
+    """``piecewise.compile(model)(input_ids [1, T])``: the ids are taken batch-first. transformers' DynamicCache in
+    the output holds padded tensors in graph memory: refused at the first call, naming use_cache=False, which then
+    serves the logits right at every length."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 11))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"DynamicCache.*padded rows.*use_cache=False") as info:
+        runner(ids[:, :7])
+    assert info.value.kind == "output_object"
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, cache_dir=None))
+    with torch.no_grad():
+        for length in (7, 11, 3, 1):
+            torch.testing.assert_close(runner(ids[:, :length], use_cache=False).logits,
+                                       model(ids[:, :length], use_cache=False).logits, rtol=1e-5, atol=1e-5)
+    assert runner.token_arguments == {"input_ids": 1} and runner.stats["padded_calls"] >= 2

@@ -214,8 +214,8 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
     """
     forward = _forward_of(model)
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-    if first is not None and first.shape[:1] == (1,) and first.dim() >= 2 and first.shape[1] > 1 and (
-            first.dim() >= 3 if first.is_floating_point() else first.dim() == 2):  # ids [1, T] or embeddings [1, T, H]
+    if first is not None and first.shape[:1] == (1,) and first.dim() >= 3 and first.shape[1] > 1 and \
+            first.is_floating_point():  # embeddings [1, T, H] (ids [1, T] are taken batch-first by the runtime)
         return DoctorReport(blockers=[_batch_first(model, first)])
     tokens = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
     metadata = _MetadataOps(tokens)
@@ -277,8 +277,10 @@ def _batch_first(model: Any, first: torch.Tensor) -> Blocker:
     return Blocker(
         kind="batch_first",
         message=(f"the first tensor argument has shape {tuple(first.shape)}: dimension 0 is 1 and dimension 1 looks "
-                 f"like the sequence, so piecewise would see a call of 1 token and nothing it checked would hold for "
-                 f"real calls. The doctor checked nothing else; call {kind} tokens-first and run it again."),
+                 f"like the sequence, so by default piecewise would see a call of 1 token and nothing it checked would "
+                 f"hold for real calls. The doctor checked nothing else; name the token dimension "
+                 f"(piecewise.compile({'model'}, dynamic={{'name': 1}})) or call {kind} tokens-first, and run it "
+                 f"again."),
         chain=[], fix=FIXES["batch_first"])
 
 

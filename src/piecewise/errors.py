@@ -29,6 +29,7 @@ class BlockerKind(str, enum.Enum):
     FROZEN_VALUE = "frozen_value"
     SIDE_STREAM = "side_stream"
     FOREIGN_REGION = "foreign_region"
+    OUTPUT_OBJECT = "output_object"
 
     def __str__(self) -> str:
         return self.value

@@ -84,6 +84,12 @@ FIXES: dict[str, str] = {
         "count as a number gets the count itself (x.shape[0]), not an expression of it. Reshape [tokens * n, ...] "
         "to [tokens, n, ...] around the op, and compute derived numbers inside it."
     ),
+    "output_object": (
+        "Return tensors, or tuples, lists, dicts and ModelOutputs of them: piecewise cuts those to the call's tokens "
+        "and copies them out of the graphs' memory. Transformers: call with use_cache=False; for decoding with a KV "
+        "cache use piecewise.generate, or integrations.token_model.TokenModel(integrations.transformers.enable(model)) "
+        "with a cache from its make_kv_cache."
+    ),
     "side_stream": (
         "Dynamo's trace of this torch keeps the forward's side streams as objects the graph cannot be split around. "
         "Use CaptureConfig(frontend='breakable') (frontend='auto' takes it), which joins a side stream left open at "
@@ -95,10 +101,11 @@ FIXES: dict[str, str] = {
         "token arguments, so that state stays static and is written in place."
     ),
     "batch_first": (
-        "piecewise takes dimension 0 of the token arguments as the tokens. Call the model tokens-first: a "
-        "transformers model through piecewise.integrations.transformers.TokenModel(enable(model)), which takes "
-        "input_ids [T] and positions [T]; your own model through a wrapper that adds the batch dimension inside "
-        "forward (tests/fixtures/state_models.py: TokensFirst)."
+        "piecewise takes dimension 0 of the token arguments as the tokens, unless told otherwise (token ids shaped "
+        "[1, T] are taken batch-first by themselves). Name the token dimension of each token argument: "
+        "piecewise.compile(model, dynamic={'inputs_embeds': 1, 'input_pos': 0}); or call a transformers model "
+        "through piecewise.integrations.transformers.TokenModel(enable(model)), which takes input_ids [T], "
+        "positions [T] and a KV cache."
     ),
     "python_rng": (
         "Python/NumPy randomness is drawn on the host, outside torch's generators and outside the graph. Use "

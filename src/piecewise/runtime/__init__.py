@@ -33,7 +33,7 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: s
     Used by ``piecewise.doctor``. The model runs several times on the inputs, as on a first call.
     """
     binder = Arguments(model, None)
-    tokens = binder.token_count(binder.bind(tuple(args), dict(kwargs)))
+    tokens = binder.token_count(binder.take(tuple(args), dict(kwargs)))
     breaks = frontend == "dynamo-breaks"  # Dynamo with graph breaks: auto's last candidate
     config = CaptureConfig(max_tokens=max(DOCTOR_MAX_TOKENS, tokens), frontend="dynamo" if breaks else frontend,
                            strict=frontend == "dynamo", compiler="eager")  # what blocks capture, not what is fast

@@ -1,5 +1,9 @@
-"""The model's forward arguments: binding, which carry tokens (dimension 0), and the static ones that must stay
-the same tensors across calls."""
+"""The model's forward arguments: binding, which carry tokens, and the static ones that must stay the same tensors
+across calls.
+
+Inside the runtime every token argument carries its tokens in dimension 0. One whose tokens are in another
+dimension (gpt-fast's and transformers' ``[batch, tokens]``) is taken with ``movedim(dim, 0)`` (a view) and
+handed back to the model in its own layout by ``TokensFirst``."""
 
 from __future__ import annotations
 
@@ -22,8 +26,11 @@ class Arguments:
         self.names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if not self.names:
             raise ValueError("piecewise.compile: the model's forward takes no positional arguments to carry tokens")
-        self.dynamic = self._check_dynamic(dynamic)
-        """Token arguments → token dimension (0); decided at the first call when not given."""
+        dynamic = self._check_dynamic(dynamic)
+        self.dynamic = None if dynamic is None else {name: 0 for name in dynamic}
+        """Token arguments → 0, their token dimension inside the runtime; decided at the first call when not given."""
+        self.moved: dict[str, int] = {} if dynamic is None else {n: d for n, d in dynamic.items() if d != 0}
+        """Token arguments whose token dimension in the model's own layout is not 0 → that dimension."""
         self.dynamic_given = dynamic is not None
         self.late: set[str] = set()
         """Tensor arguments first given after the first call (optional state such as a KV cache): a call may
@@ -42,6 +49,27 @@ class Arguments:
         self.first_shapes = {n: tuple(v.shape) for n, v in arguments.items() if isinstance(v, torch.Tensor)}
         self.first_signature = self.signature(arguments)
         return static
+
+    def take(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """A call's arguments as the runtime holds them: bound by name, token dimensions first."""
+        arguments = self.bind(args, kwargs)
+        if self.dynamic is None:
+            self.dynamic, self.moved = self._default_dynamic(arguments)
+        for name, dim in self.moved.items():
+            value = arguments.get(name)
+            if isinstance(value, torch.Tensor):
+                if not -value.dim() <= dim < value.dim():
+                    raise ValueError(f"piecewise: token dimension {dim} of argument {name!r} is out of range for "
+                                     f"shape {tuple(value.shape)}")
+                arguments[name] = value.movedim(dim, 0)
+        return arguments
+
+    def user_shape(self, name: str, shape: tuple) -> tuple:
+        """A shape as the runtime holds it (tokens first), in the argument's own layout."""
+        dim = self.moved.get(name)
+        if dim is None:
+            return tuple(shape)
+        return tuple(torch.empty(shape, device="meta").movedim(0, dim).shape)
 
     def given_tokens(self, arguments: dict[str, Any]) -> list[str]:
         """The token arguments this call passes (late ones may be left out)."""
@@ -76,10 +104,22 @@ class Arguments:
             arguments[name] = value
         return arguments
 
-    def _default_dynamic(self, arguments: dict[str, Any]) -> dict[str, int]:
+    def _default_dynamic(self, arguments: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
         """Dim 0 of the first argument, and of every other 1-D or 2-D tensor argument of the same length
-        at the first call (positions, slot mappings). Larger tensors (KV caches) stay static."""
+        at the first call (positions, slot mappings). Larger tensors (KV caches) stay static. A first argument of
+        token ids shaped [1, n > 1] is one sequence of n tokens, batch-first (gpt-fast's ``idx``, transformers'
+        ``input_ids``): its dim 1, with every other [1, n] (dim 1) and [n] (dim 0) tensor argument.
+        Returns (token arguments → 0, those whose own token dimension is 1 → 1)."""
         first = arguments.get(self.names[0])
+        if isinstance(first, torch.Tensor) and first.dim() == 2 and first.shape[0] == 1 and first.shape[1] > 1 \
+                and not first.is_floating_point() and not first.is_complex():
+            count = first.shape[1]
+            moved = {name: 1 for name, value in arguments.items() if isinstance(value, torch.Tensor)
+                     and value.dim() == 2 and tuple(value.shape) == (1, count)}
+            flat = [name for name, value in arguments.items() if isinstance(value, torch.Tensor)
+                    and value.dim() == 1 and value.shape[0] == count]
+            logger.info("piecewise: token arguments, batch-first ([1, tokens]): %s", ", ".join([*moved, *flat]))
+            return {name: 0 for name in [*moved, *flat]}, moved
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             raise ValueError(
                 f"piecewise: the first forward argument {self.names[0]!r} carries the tokens by default and must "
@@ -91,11 +131,11 @@ class Arguments:
                 if value.shape[0] == first.shape[0]:
                     chosen[name] = 0
         logger.info("piecewise: token arguments (dim 0): %s", ", ".join(chosen))
-        return chosen
+        return chosen, {}
 
     def token_count(self, arguments: dict[str, Any]) -> int:
-        if self.dynamic is None:
-            self.dynamic = self._default_dynamic(arguments)
+        if self.dynamic is None:  # decided by take(), which moves the token dimensions first
+            raise RuntimeError("piecewise: token_count before take()")
         count = None
         for name, dim in self.dynamic.items():
             value = arguments.get(name)
@@ -109,11 +149,6 @@ class Arguments:
                 raise ValueError(
                     f"piecewise: token dimension {dim} of argument {name!r} is out of range for shape "
                     f"{tuple(value.shape)}"
-                )
-            if dim not in (0, -value.dim()):
-                raise ValueError(
-                    f"piecewise: token dimension of {name!r} is {dim}; only dimension 0 is supported: "
-                    f"move the token dimension first"
                 )
             rows = value.shape[0]
             if count is not None and rows != count:

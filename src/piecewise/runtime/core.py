@@ -18,6 +18,7 @@ from ..frontends import Frontend, Parts
 from .arguments import Arguments
 from .full_graphs import FullGraphs
 from .guards import CallGuard
+from .layout import TokensFirst
 from .watch import ParameterWatch
 
 _UNKNOWN = object()
@@ -43,13 +44,21 @@ class Core:
         self.stats = Stats(capture_sizes=self.ladder.sizes, size_notes=self.ladder.notes)
         self.stager = InputStager(config.max_tokens, self.state.stable_ptrs)
         self.watch = ParameterWatch(model)
-        self.guard = CallGuard(model)
+        self.guard = CallGuard(model, self.arguments.user_shape)
         self.full = FullGraphs(self)
         self.frontend: Frontend | None = None
         """The front-end in use, chosen at the first call."""
         self.last_arguments: dict[str, Any] | None = None
         self.timing = False
         """Set while ``compiler="auto"`` times this runner: its calls are rehearsals (``runtime/search.py``)."""
+
+    def take(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """A user call's arguments, token dimensions first (``Arguments.take``); where the model takes a token
+        argument in another layout, the runtime calls it through ``TokensFirst`` from then on."""
+        arguments = self.arguments.take(args, kwargs)
+        if self.arguments.moved and not isinstance(self.model, TokensFirst):
+            self.model = TokensFirst(self.model, self.arguments.moved)
+        return arguments
 
     def parts(self) -> Parts:
         """What a front-end is given of this runtime."""

@@ -5,7 +5,8 @@
   microsecond). A change of the thread count changes no kernel and is taken as it is.
 - The model's train/eval mode.
 - Each argument's kind: a tensor's dtype, device and layout (a static tensor's shape and strides too, since the
-  graphs read it in place), a Python argument's value (numbers, strings, flags, None). Any other object, where
+  graphs read it in place; a token tensor's sizes but its token dimension's, since its buffers have the first
+  call's), a Python argument's value (numbers, strings, flags, None). Any other object, where
   replays run no Python (breakable), by what its fields hold: the tensors in it by address and shape, its numbers
   by value, so that attention metadata passed as an object and updated in place between calls is seen, and a new
   object holding the same buffers replays; with Dynamo, whose guards check it and whose bytecode reads its fields on
@@ -36,8 +37,10 @@ def _plain(value: Any) -> bool:
 class CallGuard:
     """The first call's global state, mode and argument kinds; ``difference(arguments)`` names what a call changed."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, user_shape: Any = lambda name, shape: tuple(shape)):
         self.model = model
+        self.user_shape = user_shape
+        """(argument name, shape tokens-first) → the shape in the argument's own layout, for messages."""
         self.global_state: Any = None
         self.training: bool | None = None
         self.expected: dict[str, tuple] = {}
@@ -79,6 +82,8 @@ class CallGuard:
                 if want[0] != "tensor" or value.dtype != want[1] or value.device != want[2] or \
                         value.layout != want[3] or (want[4] is not None and (value.shape, value.stride()) != want[4]):
                     return _describe(name, want, value)
+                if want[4] is None and value.shape[1:] != want[5][1:]:
+                    return self._describe_rows(name, want[5], value)
             elif want[0] == "object":
                 if fingerprint(value) != want[2]:
                     return _describe_object(name, want, value)
@@ -90,6 +95,16 @@ class CallGuard:
             missing = next(name for name in expected if arguments.get(name) is None)
             return f"argument {missing!r} was given at the first call and is not now"
         return None
+
+    def _describe_rows(self, name: str, first: tuple, value: torch.Tensor) -> str:
+        was, now = self.user_shape(name, first), self.user_shape(name, tuple(value.shape))
+        order = self.user_shape(name, tuple(range(len(first))))  # own dimension → dimension tokens-first
+        changed = next(d for d in range(1, len(first)) if first[d] != value.shape[d])
+        dim = order.index(changed)
+        hint = f"; if dimension {dim} carries the tokens ([batch, tokens]), pass dynamic={{{name!r}: {dim}, ...}}" \
+            if order.index(0) == 0 and first[0] == 1 else ""  # tokens in dimension 0, one at the first call
+        return f"argument {name!r} has shape {now} and had {was} at the first call (dimension {dim}): the graphs " \
+               f"serve other sizes of its token dimension only" + hint
 
     def warn_once(self, difference: str) -> None:
         if difference in self.warned:
@@ -103,7 +118,8 @@ class CallGuard:
 
 def _kind(value: Any, token: bool, deep: bool) -> tuple:
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, value.device, value.layout, None if token else (value.shape, value.stride()))
+        return ("tensor", value.dtype, value.device, value.layout, None if token else (value.shape, value.stride()),
+                tuple(value.shape) if token else None)
     if not _plain(value):
         return ("object", value, fingerprint(value)) if deep else ("traced", value, False)
     return ("python", value, True)

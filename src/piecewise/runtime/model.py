@@ -22,6 +22,7 @@ from ..config import CaptureConfig
 from ..opaque import resolve_splitting_ops
 from . import first_call, search
 from .core import Core
+from .outputs import refuse_made_tensors_in_objects
 from .verify import VerifyReport, verify
 
 logger = logging.getLogger(__name__)
@@ -41,11 +42,13 @@ class PiecewiseModel(Core):
         if config.splitting_ops is not None:
             resolve_splitting_ops(config.splitting_ops)  # an unknown name is an error now, not at the first call
         self._prepared = False
+        self._outputs_checked = False
 
     @property
     def token_arguments(self) -> dict[str, int] | None:
         """Forward arguments that carry the token dimension (known after the first call without dynamic=)."""
-        return None if self.arguments.dynamic is None else dict(self.arguments.dynamic)
+        dynamic = self.arguments.dynamic
+        return None if dynamic is None else {name: self.arguments.moved.get(name, 0) for name in dynamic}
 
     def __call__(self, *args, **kwargs) -> Any:
         with runner_call():  # one runner call (and capture) at a time in the process
@@ -53,7 +56,7 @@ class PiecewiseModel(Core):
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         self.watch.check()
-        arguments = self.arguments.bind(args, kwargs)
+        arguments = self.take(args, kwargs)
         tokens = self.arguments.token_count(arguments)
         if self._prepared:
             for tensor in self.arguments.adopt_late(arguments, tokens):
@@ -86,7 +89,17 @@ class PiecewiseModel(Core):
                 phase = Phase.REPLAY if self.state.capture_done else Phase.PADDED
                 self.stats.padded_calls += 1
                 output = self.run_call(Call(phase, size, tokens), staged)
+            if not self._outputs_checked and not isinstance(output, torch.Tensor):
+                refuse_made_tensors_in_objects(output, self._kept_storages(arguments))
+            self._outputs_checked = True
         return self.finish(output, tokens, size)
+
+    def _kept_storages(self, arguments: dict[str, Any]) -> set[int]:
+        """Storages of the model's tensors and the static arguments: what an output object may hold."""
+        tensors = [*self.model.parameters(), *self.model.buffers(),
+                   *(value for name, value in arguments.items()
+                     if isinstance(value, torch.Tensor) and name in self.arguments.static_ptrs)]
+        return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
         auto = self.config.compiler == "auto"
@@ -123,7 +136,7 @@ class PiecewiseModel(Core):
     def capture(self, *args, **kwargs) -> None:
         """Warm up, prepare and capture every size now (with these example inputs, or the last call's)."""
         if args or kwargs:
-            arguments = self.arguments.bind(args, kwargs)
+            arguments = self.take(args, kwargs)
             self.arguments.token_count(arguments)
         elif self.last_arguments is not None:
             arguments = self.last_arguments
@@ -143,7 +156,7 @@ class PiecewiseModel(Core):
         tensors (KV caches) are compared within a dtype-aware tolerance; a mismatch names the stretch of the forward where the runner first parts from eager. Static
         tensors are restored afterwards. Captures first if this runner has not run yet."""
         if args or kwargs:
-            example = self.arguments.bind(args, kwargs)
+            example = self.take(args, kwargs)
             if not self._prepared:
                 self.capture(*args, **kwargs)
         elif self.last_arguments is not None:
@@ -183,8 +196,10 @@ def compile(
 ) -> PiecewiseModel:
     """Make ``model`` run as piecewise CUDA graphs.
 
-    ``dynamic`` maps forward argument names to their token dimension (only dimension 0 is supported);
-    default: dimension 0 of the first forward argument. Every other tensor argument is static: it must be
-    the same storage on every call (KV caches), or the call raises ``ValueError`` naming it.
+    ``dynamic`` maps forward argument names to their token dimension (``{"idx": 1, "input_pos": 0}`` for
+    gpt-fast's ``[batch, tokens]`` ids); default: dimension 0 of the first forward argument, or dimension 1 where
+    it holds token ids shaped ``[1, n > 1]`` (one batch-first sequence), and the other tensor arguments of as many
+    tokens. Every other tensor argument is static: it must be the same storage on every call (KV caches), or the
+    call raises ``ValueError`` naming it.
     """
     return PiecewiseModel(model, config if config is not None else CaptureConfig(), dynamic)

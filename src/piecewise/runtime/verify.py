@@ -202,7 +202,7 @@ def _inputs(runner, example, make_inputs) -> Callable[[int], dict[str, Any]]:
         made = make_inputs(tokens)
         args, kwargs = (made, {}) if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], dict)) \
             else made
-        bound = runner.arguments.bind(tuple(args) if isinstance(args, (tuple, list)) else (args,), dict(kwargs))
+        bound = runner.arguments.take(tuple(args) if isinstance(args, (tuple, list)) else (args,), dict(kwargs))
         return {**bound, **{name: example[name] for name in static}}  # the graphs read the captured ones
 
     return make
