@@ -115,7 +115,10 @@ def key_of(model: torch.nn.Module, config: Any, token_names: list[str]) -> tuple
               if f.init and f.name != "cache_dir"}
     tensors = [(name, list(t.shape), str(t.dtype)) for name, t in
                [*model.named_parameters(), *model.named_buffers()]]
-    described = {"format": FORMAT, "model": f"{type(model).__module__}.{type(model).__qualname__}",
+    from .runtime.layout import inner
+
+    shown = type(inner(model))  # a batch-first model behind the runtime's tokens-first view: the model's own name
+    described = {"format": FORMAT, "model": f"{shown.__module__}.{shown.__qualname__}",
                  "code": _code(model), "tensors": hashlib.sha256(json.dumps(tensors).encode()).hexdigest()[:16],
                  "tensor_count": len(tensors), "token_arguments": list(token_names), "config": fields,
                  "opaque_ops": _opaque_ops(),
