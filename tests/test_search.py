@@ -214,3 +214,23 @@ def test_the_search_keeps_what_the_first_forward_builds(measured, monkeypatch):
             x = torch.randn(tokens, 8)
             torch.testing.assert_close(runner(x), model(x))
     assert float(model.scale) == 2.0
+
+
+def test_a_batch_first_model_is_searched_through_its_tokens_first_view(measured, monkeypatch):
+    """The search's candidate runners take the runner's model as the runtime holds it (behind ``TokensFirst``) and
+    the arguments tokens-first."""
+    from piecewise.capture import compilers
+
+    monkeypatch.setattr(compilers.InductorCompiler, "compile", lambda self, graph, example_inputs: graph.forward)
+    torch.manual_seed(0)
+    model = state_models.BatchFirstCache().eval()
+    ids = torch.randint(0, 100, (1, 9))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=None))
+    reference = state_models.BatchFirstCache().eval()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for start, stop in ((0, 6), (6, 7), (7, 9)):
+            positions = torch.arange(start, stop)
+            torch.testing.assert_close(runner(ids[:, start:stop], positions), reference(ids[:, start:stop], positions))
+    assert {c["compiler"] for c in runner.stats["candidates"]} == {"eager", "inductor"}
+    assert runner.token_arguments == {"idx": 1, "input_pos": 0}

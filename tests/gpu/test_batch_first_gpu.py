@@ -11,9 +11,10 @@ from piecewise.errors import ForwardRefused
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
-@pytest.mark.parametrize("dynamic", [None, {"idx": 1, "input_pos": 0}])
-def test_a_gpt_fast_style_model_decodes_batch_first_with_graphs(frontend, dynamic):
+@pytest.mark.parametrize("frontend, dynamic, compiler", [
+    ("dynamo", None, "eager"), ("breakable", None, "eager"), ("dynamo", {"idx": 1, "input_pos": 0}, "eager"),
+    ("breakable", {"idx": 1, "input_pos": 0}, "eager"), ("auto", None, "auto")])
+def test_a_gpt_fast_style_model_decodes_batch_first_with_graphs(frontend, dynamic, compiler):
     from fixtures.state_models import BatchFirstCache
 
     torch.manual_seed(0)
@@ -31,9 +32,9 @@ def test_a_gpt_fast_style_model_decodes_batch_first_with_graphs(frontend, dynami
         return [s.clone() for s in steps], [layer.k.clone() for layer in model.layers]
 
     expected, expected_cache = generate(model)
-    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None),
-                               dynamic=dynamic)
-    got, cache = generate(runner)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, compiler=compiler,
+                                                              cache_dir=None), dynamic=dynamic)
+    got, cache = generate(runner)  # compiler="auto": the search's candidates take the arguments tokens-first
     kept = [g.clone() for g in got]  # outputs are the caller's: later calls leave them alone
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)

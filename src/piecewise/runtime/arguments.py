@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..capture.state import STATE_CHANGE
+from .layout import inner
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ class Arguments:
     """What piecewise knows of the forward's arguments, from its signature and the first call."""
 
     def __init__(self, model: torch.nn.Module, dynamic: dict[str, int] | None):
-        parameters = list(inspect.signature(model.forward).parameters.values())
+        parameters = list(inspect.signature(inner(model).forward).parameters.values())  # a TokensFirst's: the model's
         self.names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if not self.names:
             raise ValueError("piecewise.compile: the model's forward takes no positional arguments to carry tokens")

@@ -105,7 +105,9 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     trial = chosen["runner"]
     # One attribute dict for both: the trial's parts that point back at it (its full graphs, its front-end's
     # callbacks) see what the runner assigns later (a token argument first given after the first call, ...).
+    moved = runner.arguments.moved  # the trials took the arguments tokens-first; the user's calls come in their layout
     runner.__dict__ = trial.__dict__
+    runner.arguments.moved = moved
     runner.stats.candidates = table
     runner.stats.frontend_reason = (runner.stats.frontend_reason + "; " if runner.stats.frontend_reason else "") + \
         f"compiler {chosen['compiler']!r} ({why})"
