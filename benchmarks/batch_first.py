@@ -1,7 +1,8 @@
 """A gpt-fast-shaped model called as gpt-fast calls it: ids [1, T], positions [T], KV caches in module buffers
 written at ``input_pos``, SDPA over the whole cache with a causal mask row per position. Decode steps (one token)
 and an 8-token extend, eager against ``piecewise.compile(model)`` with default settings (the token dimension of
-``idx`` found by itself) and with ``compiler="eager"``; outputs compared with eager.
+``idx`` found by itself) and with ``compiler="eager"``, and for decode gpt-fast's own fast path (the model
+compiled whole with ``torch.compile(mode="reduce-overhead", fullgraph=True)``); outputs compared with eager.
 
     PYTHONPATH=src python benchmarks/batch_first.py --out DIR
 """
@@ -96,6 +97,13 @@ def main() -> None:
             for name, (runner, _) in runners.items():
                 errors[name] = float((runner(ids, at[tokens]).float() - want.float()).abs().max())
                 steps[name] = lambda runner=runner, ids=ids, pos=at[tokens]: runner(ids, pos)
+            if tokens == 1:  # gpt-fast's own fast path: its decode step compiled whole, CUDA graph by torch
+                compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+                for _ in range(3):
+                    compiled(ids, at[tokens])
+                errors["torch.compile reduce-overhead"] = float((compiled(ids, at[tokens]).float()
+                                                                 - want.float()).abs().max())
+                steps["torch.compile reduce-overhead"] = lambda ids=ids, pos=at[tokens]: compiled(ids, pos)
             ms = round_robin_ms(steps)
             rows += [(tokens, name, errors[name], ms[name]) for name in steps]
     lines = [f"# gpt-fast-shaped model called batch-first ({datetime.date.today()}, torch {torch.__version__}, "

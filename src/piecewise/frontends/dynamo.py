@@ -40,7 +40,9 @@ class DynamoFrontend:
 
     name = "dynamo"
     warms_every_size = True
-    """Each size runs padded before its capture: compiled pieces compile and tune their kernels there."""
+    """Each size runs padded before its capture where the pieces are compiled (they compile and tune their kernels
+    there); eager pieces have nothing to prepare per size: only the first captured size runs padded first, and a
+    size whose capture fails runs padded and captures again (``capture_sizes``)."""
     runs_every_size = False
     """One trace serves every size: its guards say where the forward depends on the token count."""
     replays_python = True
@@ -53,6 +55,7 @@ class DynamoFrontend:
         self.stats = parts.stats
         self.describe_change = parts.describe_change
         self.compiler = make_compiler(parts.config.compiler)
+        self.warms_every_size = parts.config.compiler != "eager"
         self.graph_runners: list[GraphRunner] = []
         self.tracer = ForwardTracer(parts.model, self.backend, on_blocker)
         self.traced_in_call = False
