@@ -181,3 +181,44 @@ def test_breakable_takes_tensors_the_model_keeps_or_the_forward_builds(make):
             x = torch.randn(tokens, 8)
             torch.testing.assert_close(runner(x), model(x))
     assert runner.stats.frontend == "breakable"
+
+
+class MultiAxisPositions(torch.nn.Module):
+    """vLLM's M-RoPE: positions [3, tokens], the tokens in dimension 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.out = torch.nn.Linear(16, 16)
+        self.register_buffer("freq", torch.rand(3, 16))
+
+    def forward(self, input_ids, positions):
+        angles = (positions.T.float()[:, :, None] * self.freq[None]).sum(1)
+        return self.out(self.embed(input_ids) * angles.cos())
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_positions_with_the_tokens_in_dimension_1_run_right_once_named(frontend):
+    torch.manual_seed(0)
+    model = MultiAxisPositions().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend, cache_dir=None),
+                               dynamic={"input_ids": 0, "positions": 1})
+    with torch.no_grad():
+        for tokens in (5, 3, 9, 1, 16, 12):
+            ids, positions = torch.randint(0, 50, (tokens,)), torch.randint(0, 100, (3, tokens))
+            torch.testing.assert_close(runner(ids, positions), model(ids, positions))
+    assert runner.stats["padded_calls"] >= 4 and runner.stats["eager_calls"] == 0
+
+
+@pytest.mark.parametrize("frontend", ["auto", "dynamo", "breakable"])
+def test_positions_with_the_tokens_in_dimension_1_unnamed_are_refused_naming_the_fix(frontend):
+    """Taken as a static argument, positions [3, 5] breaks the rows the first call makes (Dynamo: in its trace,
+    where the model's own forward broadcasts a single row): refused with the model's error and the dynamic= to
+    pass, never Dynamo's raw fake-tensor error."""
+    model = MultiAxisPositions().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend, cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused) as info:
+        runner(torch.randint(0, 50, (5,)), torch.randint(0, 100, (3, 5)))
+    assert info.value.kind == "token_layout"
+    assert "'positions' has shape (3, 5): if that dimension carries the tokens, name it: dynamic={'input_ids': 0, " \
+           "'positions': 1}" in str(info.value)

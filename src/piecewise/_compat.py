@@ -24,6 +24,8 @@ RECOMPILE_LIMIT = tuple(cls for cls in (getattr(torch._dynamo.exc, "FailOnRecomp
                                         getattr(torch._dynamo.exc, "RecompileLimitExceeded", None)) if cls)
 # Dynamo wraps anything a backend raises in this; ``inner_exception`` holds the original.
 BackendCompilerFailed = torch._dynamo.exc.BackendCompilerFailed
+TRACE_ERROR = (torch._dynamo.exc.TorchRuntimeError,)
+"""Dynamo failing to run the forward's ops on fake tensors (a shape that does not follow the symbolic token count)."""
 
 try:  # raised when a dimension marked dynamic gets specialised during tracing
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError

@@ -113,12 +113,22 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
                    f"forward do: {', '.join(nested)} kept the first call's {tokens} rows. Pass them as arguments of "
                    f"forward (a wrapper module can unpack the object)")
     else:
-        try:
-            with torch.no_grad(), forward_context(rows, rows, rehearsal=True):
-                core.model(**made)
+        # A trace's error (Dynamo's fake tensors, the token count symbolic) may come from rows the model's own
+        # forward takes only by broadcasting one row: its verdict is asked on a second count too.
+        counts = [rows] + ([tokens - 1] if isinstance(error, _compat.TRACE_ERROR) and tokens - 1 not in (rows, 0, 1)
+                           else [])
+        refusal = None
+        for rows in counts:
+            made = core.arguments.leading(arguments, rows) if rows != counts[0] else made
+            try:
+                with torch.no_grad(), forward_context(rows, rows, rehearsal=True):
+                    core.model(**made)
+            except Exception as own:  # noqa: BLE001 - the model's own verdict on those rows
+                refusal = first_line(own)
+                size = max(size, rows)
+                break
+        if refusal is None:
             return
-        except Exception as own:  # noqa: BLE001 - the model's own verdict on those rows
-            refusal = first_line(own)
     raise ForwardRefused(
         f"piecewise: the forward refuses a call of {rows} rows made from the first call's {tokens} ({refusal}). "
         f"Every call runs padded, and the first call runs the forward on other row counts (here {rows}, padded to "
@@ -126,9 +136,22 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         f"from a call: per-token metadata (a position, a cache slot, a sequence index per token) does; per-sequence "
         f"lengths or cumulative offsets that must add up to the call's rows do not. Pass per-token arguments and "
         f"derive what a kernel needs inside a splitting op (piecewise.opaque_op(..., split=True)), which sees the "
-        f"real rows.",
+        f"real rows." + _other_token_dims(core, arguments, tokens),
         "token_layout",
     ) from error
+
+
+def _other_token_dims(core: Core, arguments: dict[str, Any], tokens: int) -> str:
+    """A hint naming the static tensor arguments with a dimension past the first as long as the call's tokens
+    (vLLM's M-RoPE positions [3, T]): likely token arguments in another layout."""
+    found = {name: next(d for d in range(1, value.dim()) if value.shape[d] == tokens)
+             for name, value in arguments.items() if isinstance(value, torch.Tensor)
+             and name not in core.arguments.dynamic and tokens in tuple(value.shape)[1:]}
+    if not found:
+        return ""
+    named = {**{name: core.arguments.moved.get(name, 0) for name in core.arguments.dynamic}, **found}
+    shapes = ", ".join(f"{name!r} has shape {tuple(arguments[name].shape)}" for name in found)
+    return f" Here {shapes}: if that dimension carries the tokens, name it: dynamic={named}."
 
 
 def _nested_rows(arguments: dict[str, Any], tokens: int) -> list[str]:
