@@ -14,6 +14,8 @@ import torch
 import piecewise
 from piecewise.errors import ForwardRefused
 
+from fixtures import state_models  # noqa: E402
+
 
 @piecewise.opaque_op("row_metadata_tests::varlen_cumsum", split=True, fake=lambda x, lengths: x.new_empty(x.shape))
 def varlen_cumsum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -222,3 +224,22 @@ def test_positions_with_the_tokens_in_dimension_1_unnamed_are_refused_naming_the
     assert info.value.kind == "token_layout"
     assert "'positions' has shape (3, 5): if that dimension carries the tokens, name it: dynamic={'input_ids': 0, " \
            "'positions': 1}" in str(info.value)
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_dataclass_output_is_cut_to_the_tokens_and_copied(frontend):
+    torch.manual_seed(0)
+    model = state_models.ReturnsADataclass().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    kept = []
+    with torch.no_grad():
+        for tokens in (3, 5, 1, 8, 3):
+            x = torch.randn(tokens, 8)
+            got, want = runner(x), model(x)
+            assert isinstance(got, state_models.Logits) and got.next_token_logits.shape == (tokens, 16)
+            torch.testing.assert_close(got.next_token_logits, want.next_token_logits)
+            torch.testing.assert_close(got.hidden_states, want.hidden_states)
+            kept.append((got, want))
+    for got, want in kept:  # each call's result is its own, not graph memory a later call overwrote
+        torch.testing.assert_close(got.next_token_logits, want.next_token_logits)
+    assert runner.stats["padded_calls"] >= 3

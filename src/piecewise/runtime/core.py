@@ -19,6 +19,7 @@ from .arguments import Arguments
 from .full_graphs import FullGraphs
 from .guards import CallGuard
 from .layout import TokensFirst
+from .outputs import map_outputs
 from .watch import ParameterWatch
 
 _UNKNOWN = object()
@@ -99,4 +100,4 @@ class Core:
 
         if isinstance(output, torch.Tensor):  # the usual case, without the pytree walk
             return fix(output)
-        return torch.utils._pytree.tree_map(fix, output)
+        return map_outputs(fix, output)
