@@ -383,3 +383,17 @@ def test_a_plain_transformers_model_called_batch_first_equals_eager_and_its_cach
             torch.testing.assert_close(runner(ids[:, :length], use_cache=False).logits,
                                        model(ids[:, :length], use_cache=False).logits, rtol=1e-5, atol=1e-5)
     assert runner.token_arguments == {"input_ids": 1} and runner.stats["padded_calls"] >= 2
+
+
+def test_transformers_own_static_cache_is_refused_naming_piecewises_cache():
+    """transformers' recommended fast path called through piecewise (a StaticCache, cache_position): the forward
+    updates the cache object from its own value and reads every cache row, so the first call is refused, and the
+    refusal says how piecewise serves a KV cache."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    cache = transformers.StaticCache(config=config, max_cache_len=32)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"past_key_values=StaticCache.*piecewise.generate"):
+        runner(torch.randint(0, 128, (1, 7)), past_key_values=cache, cache_position=torch.arange(7), use_cache=True)

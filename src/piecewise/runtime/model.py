@@ -19,6 +19,7 @@ from ..capture.buffers import storage_alias
 from ..capture.segment import runner_call
 from ..capture.state import Call, Phase
 from ..config import CaptureConfig
+from ..errors import ForwardRefused
 from ..opaque import resolve_splitting_ops
 from . import first_call, search
 from .core import Core
@@ -102,6 +103,12 @@ class PiecewiseModel(Core):
         return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
+        try:
+            self._prepare_first(arguments)
+        except ForwardRefused as exc:
+            raise _with_cache_hint(exc, arguments) from exc.__cause__
+
+    def _prepare_first(self, arguments: dict[str, Any]) -> None:
         auto = self.config.compiler == "auto"
         if auto and search.measures(self):  # each compiler's runner prepared and timed: the fastest's state is ours
             search.choose(self, (), arguments)
@@ -203,3 +210,16 @@ def compile(
     call raises ``ValueError`` naming it.
     """
     return PiecewiseModel(model, config if config is not None else CaptureConfig(), dynamic)
+
+
+def _with_cache_hint(exc: ForwardRefused, arguments: dict[str, Any]) -> ForwardRefused:
+    """A refusal of a call given a transformers cache object (``StaticCache``, ``DynamicCache``: updated in place
+    by the forward, read across the padded rows), with the way piecewise serves a KV cache instead."""
+    caches = [name for name, value in arguments.items() if type(value).__module__.startswith("transformers.cache")]
+    if not caches:
+        return exc
+    return ForwardRefused(
+        f"{exc} With transformers' own cache ({', '.join(f'{name}={type(arguments[name]).__name__}' for name in caches)}"
+        f"), decode through piecewise's: piecewise.generate(model, prompts), or "
+        f"integrations.token_model.TokenModel(integrations.transformers.enable(model)) with a cache from its "
+        f"make_kv_cache (one graph set for prefill and decode of many sequences).", exc.kind, exc.chain)
