@@ -595,9 +595,9 @@ def test_a_token_arguments_other_dimension_that_changes_runs_eagerly_naming_it(f
         runner(torch.randn(*first))
         x = torch.randn(first[0], 6)
         with pytest.warns(UserWarning, match=rf"argument 'x' has shape \({first[0]}, 6\) and had \({first[0]}, 4\) "
-                                             rf"at the first call \(dimension 1\)") as caught:
+                                             rf"at the first call \(dimension 1\); its token dimension is 0") as caught:
             torch.testing.assert_close(runner(x), x * 2)
-    hint = "if dimension 1 carries the tokens ([batch, tokens]), pass dynamic={'x': 1, ...}"
+    hint = "if dimension 1 carries the tokens, pass dynamic={'x': 1, ...}"
     assert (hint in str(caught[0].message)) == (first[0] == 1)
     assert runner.stats["eager_calls"] == 1
 
@@ -862,3 +862,22 @@ def test_a_kv_cache_too_short_for_the_positions_is_named_with_max_seq_len(fronte
     decode = DecodeLlama(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=1, head_dim=8, intermediate_size=64))
     with pytest.raises(ValueError, match=r"position 1024 is past the KV cache, whose max_seq_len is 16 "):
         decode(torch.tensor([1, 2]), torch.tensor([3, 1024]), decode.make_kv_cache(2, max_seq_len=16))
+
+
+def test_ids_taken_batch_first_that_were_not_say_how_to_name_the_token_dimension():
+    """Codes [T, 4] first called with one token look like ids [1, 4] (batch-first): a later call of 5 tokens
+    runs the model's own forward, and the warning names the dimension taken and the dynamic= to pass."""
+    model = torch.nn.Embedding(16, 8)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
+    codes = torch.randint(0, 16, (5, 4))
+    with torch.no_grad():
+        runner(codes[:1])
+        with pytest.warns(UserWarning, match=r"argument 'input' has shape \(5, 4\) and had \(1, 4\) at the first "
+                                             r"call \(dimension 0\); its token dimension is 1, .*if dimension 0 "
+                                             r"carries the tokens, pass dynamic=\{'input': 0, ...\}"):
+            torch.testing.assert_close(runner(codes), model(codes))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None), dynamic={"input": 0})
+    with torch.no_grad():
+        runner(codes[:1])
+        torch.testing.assert_close(runner(codes), model(codes))
+    assert runner.stats["eager_calls"] == 0

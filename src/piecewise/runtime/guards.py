@@ -100,11 +100,11 @@ class CallGuard:
         was, now = self.user_shape(name, first), self.user_shape(name, tuple(value.shape))
         order = self.user_shape(name, tuple(range(len(first))))  # own dimension → dimension tokens-first
         changed = next(d for d in range(1, len(first)) if first[d] != value.shape[d])
-        dim = order.index(changed)
-        hint = f"; if dimension {dim} carries the tokens ([batch, tokens]), pass dynamic={{{name!r}: {dim}, ...}}" \
-            if order.index(0) == 0 and first[0] == 1 else ""  # tokens in dimension 0, one at the first call
-        return f"argument {name!r} has shape {now} and had {was} at the first call (dimension {dim}): the graphs " \
-               f"serve other sizes of its token dimension only" + hint
+        dim, token_dim = order.index(changed), order.index(0)
+        hint = f"; if dimension {dim} carries the tokens, pass dynamic={{{name!r}: {dim}, ...}}" \
+            if token_dim != 0 or first[0] == 1 else ""  # batch-first taken, or one row in dimension 0 at first
+        return f"argument {name!r} has shape {now} and had {was} at the first call (dimension {dim}); its token " \
+               f"dimension is {token_dim}, the only one the graphs serve other sizes of" + hint
 
     def warn_once(self, difference: str) -> None:
         if difference in self.warned:
