@@ -243,3 +243,35 @@ def test_a_dataclass_output_is_cut_to_the_tokens_and_copied(frontend):
     for got, want in kept:  # each call's result is its own, not graph memory a later call overwrote
         torch.testing.assert_close(got.next_token_logits, want.next_token_logits)
     assert runner.stats["padded_calls"] >= 3
+
+
+class EmbedsOrIds(torch.nn.Module):
+    """vLLM's signature: ``input_ids`` or ``inputs_embeds``, the other None."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(50, 16)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        return self.out(hidden) + positions[:, None].float()
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+@pytest.mark.parametrize("dynamic", [None, {"input_ids": 0, "positions": 0, "inputs_embeds": 0}])
+def test_inputs_embeds_with_input_ids_none_runs_right_and_ids_later_run_eagerly(frontend, dynamic):
+    torch.manual_seed(0)
+    model = EmbedsOrIds().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend, cache_dir=None),
+                               dynamic=dynamic)
+    with torch.no_grad():
+        for tokens in (5, 3, 9, 1):
+            embeds, positions = torch.randn(tokens, 16), torch.arange(tokens)
+            torch.testing.assert_close(runner(None, positions, inputs_embeds=embeds),
+                                       model(None, positions, inputs_embeds=embeds))
+        ids = torch.randint(0, 50, (4,))
+        with pytest.warns(UserWarning, match="argument 'input_ids' is given now and was not at the first call"):
+            torch.testing.assert_close(runner(ids, torch.arange(4)), model(ids, torch.arange(4)))
+    assert runner.stats["padded_calls"] >= 3 and runner.stats["eager_calls"] == 1
+    assert {"positions", "inputs_embeds"} <= set(runner.token_arguments)

@@ -110,8 +110,13 @@ class Arguments:
         at the first call (positions, slot mappings). Larger tensors (KV caches) stay static. A first argument of
         token ids shaped [1, n > 1] is one sequence of n tokens, batch-first (gpt-fast's ``idx``, transformers'
         ``input_ids``): its dim 1, with every other [1, n] (dim 1) and [n] (dim 0) tensor argument.
-        Returns (token arguments → 0, those whose own token dimension is 1 → 1)."""
-        first = arguments.get(self.names[0])
+        Where the first argument is None (vLLM's ``input_ids`` beside ``inputs_embeds``), the first tensor argument
+        leads. Returns (token arguments → 0, those whose own token dimension is 1 → 1)."""
+        lead = self.names[0]
+        if arguments.get(lead) is None:
+            lead = next((name for name in [*self.names, *arguments] if isinstance(arguments.get(name), torch.Tensor)),
+                        lead)
+        first = arguments.get(lead)
         if isinstance(first, torch.Tensor) and first.dim() == 2 and first.shape[0] == 1 and first.shape[1] > 1 \
                 and not first.is_floating_point() and not first.is_complex():
             count = first.shape[1]
@@ -123,10 +128,10 @@ class Arguments:
             return {name: 0 for name in [*moved, *flat]}, moved
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             raise ValueError(
-                f"piecewise: the first forward argument {self.names[0]!r} carries the tokens by default and must "
+                f"piecewise: the first forward argument {lead!r} carries the tokens by default and must "
                 f"be a tensor with a token dimension 0; pass dynamic={{'name': 0, ...}} to name the token arguments"
             )
-        chosen = {self.names[0]: 0}
+        chosen = {lead: 0}
         for name, value in arguments.items():
             if name not in chosen and isinstance(value, torch.Tensor) and 1 <= value.dim() <= 2:
                 if value.shape[0] == first.shape[0]:
@@ -140,7 +145,7 @@ class Arguments:
         count = None
         for name, dim in self.dynamic.items():
             value = arguments.get(name)
-            if value is None and name in self.late:
+            if value is None:  # one of several (vLLM's input_ids or inputs_embeds); a late one; another variant
                 continue
             if not isinstance(value, torch.Tensor):
                 raise ValueError(
@@ -157,9 +162,15 @@ class Arguments:
                     f"piecewise: token arguments disagree: {name!r} has {rows} tokens, others {count}"
                 )
             count = rows
+        if count is None:
+            raise ValueError(f"piecewise: no token argument given: pass at least one of {list(self.dynamic)}")
         if count == 0:
             raise ValueError("piecewise: called with 0 tokens; call with at least one token")
         return count
+
+    def rows(self, arguments: dict[str, Any]) -> int:
+        """The tokens of a call's arguments as the runtime holds them (the first token argument given)."""
+        return arguments[self.given_tokens(arguments)[0]].shape[0]
 
     def adopt_late(self, arguments: dict[str, Any], tokens: int) -> list[torch.Tensor]:
         """A tensor first given after the first call (None before) follows the first call's rules: a token

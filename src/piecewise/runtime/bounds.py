@@ -15,7 +15,7 @@ from .core import Core
 def drop_sizes_out_of_range(core: Core, arguments: dict[str, Any]) -> None:
     """Run the largest capture size padded under ``BoundsCheck``; while it would index out of range, leave that size
     out (its calls run without graphs: the model's own limit) and try the next."""
-    tokens = arguments[next(iter(core.arguments.dynamic))].shape[0]
+    tokens = core.arguments.rows(arguments)
     given = core.arguments.given_tokens(arguments)
     failed = None
     while core.ladder.sizes:

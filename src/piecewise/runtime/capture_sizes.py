@@ -39,7 +39,7 @@ def _meet_other_ranks() -> None:
 def capture_all(core: Core, arguments: dict[str, Any], graphs: bool) -> None:
     """Capture every size (``graphs``), or run each once without graphs."""
     state = core.state
-    tokens = arguments[next(iter(core.arguments.dynamic))].shape[0]
+    tokens = core.arguments.rows(arguments)
     given = core.arguments.given_tokens(arguments)
     started = time.perf_counter()
     sizes = [] if core.full.mode == "full" else core.ladder.sizes  # "full": no piecewise graph serves a call

@@ -98,7 +98,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     core.state.stable_ptrs.update(t.data_ptr() for t in [*model_tensors, *static])
     core.state.static_storages.update(t.untyped_storage().data_ptr() for t in [*model_tensors, *static])
     started = time.perf_counter()
-    tokens = arguments[next(iter(core.arguments.dynamic))].shape[0]
+    tokens = core.arguments.rows(arguments)
     counts = opaque_call_counts()
     with forward_context(tokens, tokens, rehearsal=True):
         core.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
@@ -106,10 +106,11 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     check_fakes(called, strides=core.config.compiler == "inductor")  # before Dynamo traces with them
     module_state.changed()  # what the warm-up built on first use is the model's from now on
     core.stats.prewarm_seconds = time.perf_counter() - started
-    devices = {t.device.type for t in model_tensors} | {arguments[n].device.type for n in core.arguments.dynamic}
+    given = core.arguments.given_tokens(arguments)
+    devices = {t.device.type for t in model_tensors} | {arguments[name].device.type for name in given}
     use_graphs = core.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()
     core.state.graphs_enabled = core.stats.cuda_graphs = use_graphs
-    device = arguments[next(iter(core.arguments.dynamic))].device
+    device = arguments[core.arguments.given_tokens(arguments)[0]].device
     core.full.resolve(called, resolve_splitting_ops(core.config.splitting_ops), device)
     candidates = _candidates(core)
     store, key, described, recorded = _open_cache(core)
@@ -212,7 +213,7 @@ def _open_cache(core: Core):
 def _rehearse(core: Core, arguments: dict[str, Any], count: int) -> Any:
     """The forward unpadded at ``count`` tokens: the first call's leading rows, or, one past them, its first row
     repeated at the end."""
-    tokens = arguments[next(iter(core.arguments.dynamic))].shape[0]
+    tokens = core.arguments.rows(arguments)
     given = core.arguments.given_tokens(arguments)
     if count <= tokens:
         made = core.arguments.leading(arguments, count)

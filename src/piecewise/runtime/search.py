@@ -199,7 +199,7 @@ def _timed(trial, arguments: dict[str, Any], beyond: bool, rounds: int = 5,
     """ms per call at each representative size the trial captured, calls made from the first call's rows; sizes
     above the first call's count (its rows repeated, which may write state the first call did not: another
     sequence's cache rows where the row is the sequence) only where ``beyond``, the state being put back after."""
-    tokens = arguments[next(iter(trial.arguments.dynamic))].shape[0]
+    tokens = trial.arguments.rows(arguments)
     sizes = sorted({s for s in (*SIZES, trial.ladder.sizes[-1]) if s in trial.ladder.sizes and (beyond or s <= tokens)})
     given = trial.arguments.given_tokens(arguments)
     times = {}
