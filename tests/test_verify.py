@@ -145,3 +145,21 @@ def test_the_models_own_buffers_are_compared_and_put_back_and_the_stats_stay_the
     for name, value in model.named_buffers():
         assert torch.equal(value, buffers[name]), name
     assert dict(runner.stats) == stats
+
+
+def test_verify_compares_the_tensors_of_a_dataclass_output(monkeypatch):
+    """Each field of a dataclass output is compared (torch's pytree takes the dataclass as one leaf): with every
+    comparison made to fail, the report fails; a batch-first model's calls go through in its own layout."""
+    from fixtures import state_models
+    from piecewise.runtime import verify as verify_module
+
+    for model, args in ((state_models.ReturnsADataclass().eval(), (torch.randn(3, 8),)),
+                        (state_models.BatchFirstCache().eval(), (torch.randint(0, 100, (1, 6)), torch.arange(6)))):
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
+        with torch.no_grad():
+            runner(*args)
+            assert runner.verify().ok
+            monkeypatch.setattr(verify_module, "rel_error", lambda ours, theirs: 1.0)
+            report = runner.verify()
+            monkeypatch.undo()
+        assert not report.ok and report.results[0].worst.startswith("output 0")

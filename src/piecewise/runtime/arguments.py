@@ -65,6 +65,11 @@ class Arguments:
                 arguments[name] = value.movedim(dim, 0)
         return arguments
 
+    def own_layout(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Arguments as the runtime holds them, back in the model's own layout (``take``'s inverse)."""
+        return {**arguments, **{name: arguments[name].movedim(0, dim) for name, dim in self.moved.items()
+                                if isinstance(arguments.get(name), torch.Tensor)}}
+
     def user_shape(self, name: str, shape: tuple) -> tuple:
         """A shape as the runtime holds it (tokens first), in the argument's own layout."""
         dim = self.moved.get(name)

@@ -37,6 +37,13 @@ def map_outputs(fn: Any, output: Any) -> Any:
     return torch.utils._pytree.tree_map(leaf, output)
 
 
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of ``output`` in ``map_outputs``' order (dataclass fields included)."""
+    found: list[torch.Tensor] = []
+    map_outputs(lambda tensor: found.append(tensor) or tensor, output)
+    return found
+
+
 def _leaves(output: Any) -> list:
     """The leaves ``map_outputs`` does not map: objects other than tensors, containers and dataclasses."""
     found: list = []

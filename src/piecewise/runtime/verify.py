@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.state import Call, Phase, probe_call
 from ..frontends.user_frames import chain_text, user_chain
+from .outputs import output_tensors
 
 
 CAUSES = ("Typical causes: a host-side decision frozen at capture (Python reading a value, a kernel configuration "
@@ -240,12 +241,10 @@ def _splitting(runner) -> frozenset[str]:
 def _compare(runner, inputs: dict[str, Any], static, saved) -> dict[str, tuple[float, float]]:
     expected, expected_static, _, _ = _eager(runner, inputs, static, saved)
     _restore(static, saved)
-    got = runner(**inputs)
+    got = runner(**runner.arguments.own_layout(inputs))
     errors = {}
-    pairs = zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected))
-    for index, (ours, theirs) in enumerate(pairs):
-        if isinstance(theirs, torch.Tensor):
-            errors[f"output {index}"] = (rel_error(ours, theirs), tolerance(theirs.dtype))
+    for index, (ours, theirs) in enumerate(zip(output_tensors(got), output_tensors(expected))):
+        errors[f"output {index}"] = (rel_error(ours, theirs), tolerance(theirs.dtype))
     for name, value in static.items():
         label = name if name.startswith("buffer ") else f"static argument {name!r}"
         errors[label] = (rel_error(value, expected_static[name]), tolerance(value.dtype))
