@@ -162,7 +162,7 @@ class ReadsItsOwnTable(torch.nn.Module):
 
 
 class BuildsConstants(torch.nn.Module):
-    """Tensors built from Python data inside forward (``torch.tensor``), as transformers' cache layers start empty."""
+    """An empty tensor built inside forward (``torch.tensor([])``), as transformers' cache layers start."""
 
     def __init__(self):
         super().__init__()
@@ -170,7 +170,37 @@ class BuildsConstants(torch.nn.Module):
 
     def forward(self, x):
         keys = torch.cat([torch.tensor([], dtype=x.dtype, device=x.device), x[:, 0]])
-        return self.a(x) * torch.tensor([0.5, 2.0] * 4, device=x.device) + keys[:, None]
+        return self.a(x) + keys[:, None]
+
+
+SETTINGS = {"scale": 0.5}
+
+
+class ReadsAPythonValue(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) * torch.tensor(SETTINGS["scale"], device=x.device)
+
+
+def test_a_tensor_built_from_python_values_is_refused_by_breakable_and_read_anew_by_dynamo():
+    """``torch.tensor(value)`` inside forward: a breakable replay would keep the capture's value after the Python
+    value changed."""
+    model = ReadsAPythonValue().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable", cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused) as info:
+        runner(torch.randn(3, 8))
+    assert info.value.kind == "frozen_value" and "`torch.tensor(...)` at" in str(info.value)
+    assert "SETTINGS" in str(info.value) and "register_buffer" in str(info.value)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo", cache_dir=None))
+    with torch.no_grad():
+        for tokens, scale in ((3, 0.5), (3, 2.0), (5, 3.0)):
+            SETTINGS["scale"] = scale
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))
+    SETTINGS["scale"] = 0.5
 
 
 @pytest.mark.parametrize("make", [ReadsItsOwnTable, BuildsConstants])
@@ -275,3 +305,64 @@ def test_inputs_embeds_with_input_ids_none_runs_right_and_ids_later_run_eagerly(
             torch.testing.assert_close(runner(ids, torch.arange(4)), model(ids, torch.arange(4)))
     assert runner.stats["padded_calls"] >= 3 and runner.stats["eager_calls"] == 1
     assert {"positions", "inputs_embeds"} <= set(runner.token_arguments)
+
+
+class MixesTokensInADataclass(state_models.ReturnsADataclass):
+    def forward(self, x):
+        hidden = self.a(x)
+        return state_models.Logits(self.head(hidden - hidden.mean(0)), hidden)
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_the_padding_check_reads_a_dataclass_outputs_fields(frontend):
+    """A mean over the tokens inside a dataclass output is found by the padding check (which saw the dataclass as
+    one leaf, nothing to compare, and let padding-dependent numbers through)."""
+    runner = piecewise.compile(MixesTokensInADataclass().eval(),
+                               piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused) as info:
+        runner(torch.randn(3, 8))
+    assert info.value.kind == "token_mixing"
+
+
+@dataclasses.dataclass
+class WithExtra:
+    logits: torch.Tensor
+
+    def __post_init__(self):
+        self.scaled = self.logits * 2  # not a field: not cut
+
+
+class Slotted:
+    __slots__ = ("hidden",)
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+
+class ReturnsAnObject(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.kind = kind
+
+    def forward(self, x):
+        hidden = self.a(x)
+        if self.kind == "post_init":
+            return WithExtra(hidden)
+        return (hidden, Slotted(hidden)) if self.kind == "slots" else (hidden,)
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+@pytest.mark.parametrize("kind, path", [("post_init", "WithExtra.scaled"), ("slots", "Slotted.hidden")])
+def test_output_objects_piecewise_would_return_padded_are_refused_at_the_first_call(frontend, kind, path):
+    """Tensors the forward made inside an object ``finish`` does not cut (a dataclass attribute that is not a field,
+    an object with __slots__) are refused before anything is prepared: the same runner then serves another call."""
+    model = ReturnsAnObject(kind).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused) as info:
+        runner(torch.randn(3, 8))
+    assert info.value.kind == "output_object" and f"({path}, shape (3, 8))" in str(info.value)
+    model.kind = "tensor"
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        assert torch.equal(runner(x)[0], model(x)[0])

@@ -574,6 +574,8 @@ def test_a_batch_first_model_runs_called_in_its_own_layout(frontend, dynamic):
         torch.testing.assert_close(a, b)
     assert runner.token_arguments == {"idx": 1, "input_pos": 0}
     assert runner.stats["padded_calls"] >= 2 and runner.stats["eager_calls"] == 0
+    if frontend == "dynamo":  # the compiled forward is called without Dynamo's frame hook, as for any model
+        assert runner.frontend.tracer.direct is not None and runner.frontend.tracer.last_direct
 
 
 class Scale(torch.nn.Module):
@@ -599,7 +601,11 @@ def test_a_token_arguments_other_dimension_that_changes_runs_eagerly_naming_it(f
             torch.testing.assert_close(runner(x), x * 2)
     hint = "if dimension 1 carries the tokens, pass dynamic={'x': 1, ...}"
     assert (hint in str(caught[0].message)) == (first[0] == 1)
-    assert runner.stats["eager_calls"] == 1
+    with torch.no_grad():
+        for x, dims in ((torch.randn(first[0], 4, 1), 3), (torch.randn(first[0]), 1)):
+            with pytest.warns(UserWarning, match=rf"argument 'x' has {dims} dimensions, shape"):
+                torch.testing.assert_close(runner(x), x * 2)
+    assert runner.stats["eager_calls"] == 3
 
 
 @pytest.mark.parametrize("update", ["+=", "add_", "index_put_accumulate"])
@@ -881,3 +887,32 @@ def test_ids_taken_batch_first_that_were_not_say_how_to_name_the_token_dimension
         runner(codes[:1])
         torch.testing.assert_close(runner(codes), model(codes))
     assert runner.stats["eager_calls"] == 0
+
+
+class Codebooks(torch.nn.Module):
+    """Codes [tokens, books] (several codebooks per token), summed per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+
+    def forward(self, codes):
+        return self.embed(codes).sum(1)
+
+
+def test_a_refusal_after_ids_taken_batch_first_says_how_to_name_dimension_0():
+    """Codes [1, 3] at the first call look like one sequence of 3 ids: the sum over them mixes tokens, refused; the
+    refusal says what piecewise took and the dynamic= for dimension 0, which then serves the calls."""
+    from piecewise.errors import ForwardRefused
+
+    model = Codebooks()
+    codes = torch.randint(0, 16, (5, 3))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused) as info:
+        runner(codes[:1])
+    assert "piecewise took 'codes' (1, 3) as one sequence, the tokens in dimension 1" in str(info.value)
+    assert "pass dynamic={'codes': 0}" in str(info.value)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None), dynamic={"codes": 0})
+    with torch.no_grad():
+        for rows in (1, 5, 2):
+            torch.testing.assert_close(runner(codes[:rows]), model(codes[:rows]))

@@ -78,8 +78,9 @@ def _timed(call: Callable[[], Any], rounds: int, iters: int) -> float:
 
 
 def _rel_error(out: Any, ref: Any) -> float:
-    leaves = [(o, r) for o, r in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(ref))
-              if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    from .capture.outputs import output_tensors
+
+    leaves = [(o, r) for o, r in zip(output_tensors(out), output_tensors(ref)) if o.is_floating_point()]
     return max((float((o.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)) for o, r in leaves),
                default=0.0)
 

@@ -120,8 +120,9 @@ def run_run(options: argparse.Namespace) -> int:
         expected = model(*reference_args, **target.kwargs)
     runner = piecewise.compile(model, config)
     output = runner(*args, **target.kwargs)  # a refusal is main's to print
-    expected_leaves = [t for t in torch.utils._pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
-    output_leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    from .capture.outputs import output_tensors
+
+    expected_leaves, output_leaves = output_tensors(expected), output_tensors(output)
     errors = [
         float((o.double() - e.double()).norm() / e.double().norm().clamp_min(1e-30))
         for o, e in zip(output_leaves, expected_leaves)

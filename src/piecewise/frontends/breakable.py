@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from ..capture.outputs import output_tensors
 from ..capture.splitcall import SplitCall
 from ..capture.state import Phase
 from ..errors import ForwardRefused
@@ -101,7 +101,7 @@ class BreakableFrontend:
                 output = self.reads.record(lambda: rehearse(count)) if index == 0 else rehearse(count)
             finally:
                 seen, self.surveying = self.surveying, None
-            survey.observe(count, seen, tree_leaves(output))
+            survey.observe(count, seen, output_tensors(output))
         survey.settle()
         self.survey = survey
 
@@ -152,7 +152,7 @@ class BreakableFrontend:
 
     def _output_dims(self, output: Any) -> list[int | None] | None:
         dims = self.survey.output_dims if self.survey is not None else None
-        if dims is None or (not isinstance(output, torch.Tensor) and len(tree_leaves(output)) != len(dims)):
+        if dims is None or (not isinstance(output, torch.Tensor) and len(output_tensors(output)) != len(dims)):
             return None
         return dims
 

@@ -30,7 +30,7 @@ from ..context import context, forward_context
 from ..errors import CaptureFailed, ForwardRefused, FullGraphRefused
 from ..graph.writes import ACCUMULATING_METHODS
 from ..opaque import captured_whole, opaque_op_info
-from .breakable_outside import OutsideTensors
+from .breakable_outside import OutsideTensors, refuse_python_values
 from .breakable_regions import inside_region, watching_regions
 from .breakable_steps import Recording, Step, storage, written_indices
 from .breakable_survey import Observed, OpLog, shapes
@@ -40,8 +40,9 @@ from .user_frames import chain_text, user_chain
 
 
 _CONSTRUCTED = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy, torch.ops.aten.lift)
-"""Ops that take a tensor the forward just built from Python data (``torch.tensor([...])``, transformers' empty
-cache layers): made by the run, though no op made it."""
+"""Ops that take a tensor the forward just built from Python data (``torch.tensor([...])``): made by the run,
+though no op made it. An empty one (transformers' cache layers start so) holds no value; any other is refused
+(``refuse_python_values``)."""
 
 class Owner(Protocol):
     """What the interceptor reads of the breakable front-end that runs it."""
@@ -178,6 +179,8 @@ class Interceptor(TorchDispatchMode):
             return self._dispatch(func, args, kwargs)
         if func.overloadpacket not in _CONSTRUCTED:
             self.outside.check(f"`{func.overloadpacket.__name__}`", args, kwargs)
+        elif any(isinstance(a, torch.Tensor) and a.numel() > 0 for a in args):
+            refuse_python_values(args[0])
         result = self._dispatch(func, args, kwargs)
         self.outside.made(result)
         return result

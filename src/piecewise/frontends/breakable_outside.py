@@ -101,3 +101,15 @@ class OutsideTensors:
 def _checkable(tensor: torch.Tensor) -> bool:
     """A plain tensor with memory of its own (not meta, not a subclass whose storage is not its data)."""
     return type(tensor) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and tensor.device.type != "meta"
+
+
+def refuse_python_values(tensor: torch.Tensor) -> None:
+    """A tensor the forward builds from Python values (``torch.tensor(values)``): a replay keeps the capture's."""
+    raise ForwardRefused(
+        f"piecewise: `torch.tensor(...)` at {chain_text(user_chain()[-1:]) or 'an unknown line'} builds a tensor of "
+        f"shape {tuple(tensor.shape)} from Python values inside forward. The breakable front-end replays without "
+        f"running the forward's Python, so every later call would use the values of the capture, even where the "
+        f"Python values it was built from change. Build it once outside forward and register it on a module "
+        f"(register_buffer), compute it from tensors, or use the Dynamo front-end, whose code runs at every call.",
+        "frozen_value", user_chain(),
+    )

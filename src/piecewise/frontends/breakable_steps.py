@@ -10,6 +10,7 @@ import torch
 
 from .. import _compat
 from ..capture.buffers import map_tensors
+from ..capture.outputs import output_tensors
 from ..capture.segment import Segment
 from ..capture.splitcall import SplitCall
 from ..capture.state import CaptureState
@@ -73,9 +74,8 @@ def note_output_dims(state: CaptureState, output: Any, dims: list[int | None] | 
     if isinstance(output, torch.Tensor):
         state.token_outputs[id(output)] = dims[0]
         return
-    for leaf, dim in zip(torch.utils._pytree.tree_leaves(output), dims):
-        if isinstance(leaf, torch.Tensor):
-            state.token_outputs[id(leaf)] = dim
+    for leaf, dim in zip(output_tensors(output), dims):
+        state.token_outputs[id(leaf)] = dim
 
 
 def written_indices(func: Any, leaves: list, spec: Any) -> tuple[int, ...]:

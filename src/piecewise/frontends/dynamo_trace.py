@@ -68,6 +68,10 @@ class DirectCall:
         )
         self.function.__kwdefaults__ = function.__kwdefaults__
         self.self_name = code.co_varnames[0]
+        keywords = function.__code__
+        self.varkw = keywords.co_varnames[keywords.co_argcount + keywords.co_kwonlyargcount] \
+            if keywords.co_flags & inspect.CO_VARKEYWORDS else None
+        """``forward(**arguments)`` (the runtime's ``TokensFirst``): the frame holds the dict as that local."""
         self.broken = False
         self.cells = tuple(zip(function.__code__.co_freevars, function.__closure__ or ()))
         self.defaults = {
@@ -87,12 +91,12 @@ class DirectCall:
         code, check = entry
         if code.co_freevars != function.__code__.co_freevars or code.co_argcount != function.__code__.co_argcount:
             return None
-        if function.__code__.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS):
+        if function.__code__.co_flags & inspect.CO_VARARGS:
             return None
         return cls(method, code, check)
 
     def __call__(self, kwargs: dict) -> tuple[bool, Any]:
-        frame_locals = {**self.defaults, **kwargs, self.self_name: self.owner}
+        frame_locals = {**self.defaults, **({self.varkw: kwargs} if self.varkw else kwargs), self.self_name: self.owner}
         for name, cell in self.cells:  # Dynamo's guards see closure variables as frame locals
             frame_locals[name] = cell.cell_contents
         try:

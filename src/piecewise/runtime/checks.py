@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..capture.outputs import output_tensors
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused, first_line
@@ -73,7 +74,7 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
             raise
         results.append(core.finish(output, rows, size, clone=True))
     first.restore()
-    for index, (zeros, copies) in enumerate(zip(*(torch.utils._pytree.tree_leaves(r) for r in results[1:3]))):
+    for index, (zeros, copies) in enumerate(zip(*(output_tensors(r) for r in results[1:3]))):
         if not isinstance(zeros, torch.Tensor) or zeros.is_complex():
             continue
         if zeros.is_floating_point():
@@ -185,8 +186,8 @@ def check_one_token(core: Core, arguments: dict[str, Any]) -> None:
     padded = core.finish(core.run_call(Call(Phase.PADDED, size, 1), staged, rehearsal=True), 1, size, clone=True)
     with forward_context(1, 1, rehearsal=True):
         exact = core.model(**one)  # the model's own forward on the real row (it writes what the padded call wrote)
-    for got, want in zip(torch.utils._pytree.tree_leaves(padded), torch.utils._pytree.tree_leaves(exact)):
-        if isinstance(want, torch.Tensor) and not rel_error(got, want) <= tolerance(want.dtype):
+    for got, want in zip(output_tensors(padded), output_tensors(exact)):
+        if not rel_error(got, want) <= tolerance(want.dtype):
             raise ForwardRefused(
                 f"piecewise: a call of 1 token padded to {size} differs from the model's own 1-token result "
                 f"({rel_error(got, want):.1e}): {core.ladder.notes[0]}, and the forward's numbers depend on that. It "

@@ -10,6 +10,7 @@ import torch
 
 from ..capture.buffers import InputStager
 from ..capture.ladder import Ladder
+from ..capture.outputs import map_outputs
 from ..capture.state import IDLE, Call, CaptureState, Phase
 from ..capture.stats import Stats
 from ..config import CaptureConfig
@@ -19,7 +20,6 @@ from .arguments import Arguments
 from .full_graphs import FullGraphs
 from .guards import CallGuard
 from .layout import TokensFirst
-from .outputs import map_outputs
 from .watch import ParameterWatch
 
 _UNKNOWN = object()

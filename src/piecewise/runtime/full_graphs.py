@@ -18,6 +18,7 @@ import torch
 
 from .. import _compat
 from ..capture.buffers import map_tensors
+from ..capture.outputs import output_tensors
 from ..capture.segment import Segment
 from ..capture.state import Call, Phase
 from ..context import ForwardContext, forward_context
@@ -181,8 +182,8 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
         return
     finally:
         restore(saved)
-    for got, want in zip(torch.utils._pytree.tree_leaves(padded), torch.utils._pytree.tree_leaves(exact)):
-        if isinstance(want, torch.Tensor) and rel_error(got, want) > tolerance(want.dtype):
+    for got, want in zip(output_tensors(padded), output_tensors(exact)):
+        if rel_error(got, want) > tolerance(want.dtype):
             full.refuse(f"the padded rows of a {size}-token full graph change the real rows of a {tokens}-token "
                         f"call: a capturable splitting op does not honour piecewise.context().token_mask")
             return

@@ -82,7 +82,7 @@ class CallGuard:
                 if want[0] != "tensor" or value.dtype != want[1] or value.device != want[2] or \
                         value.layout != want[3] or (want[4] is not None and (value.shape, value.stride()) != want[4]):
                     return _describe(name, want, value)
-                if want[4] is None and value.shape[1:] != want[5][1:]:
+                if want[4] is None and (value.dim() != len(want[5]) or value.shape[1:] != want[5][1:]):
                     return self._describe_rows(name, want[5], value)
             elif want[0] == "object":
                 if fingerprint(value) != want[2]:
@@ -97,6 +97,9 @@ class CallGuard:
         return None
 
     def _describe_rows(self, name: str, first: tuple, value: torch.Tensor) -> str:
+        if value.dim() != len(first):
+            return f"argument {name!r} has {value.dim()} dimensions, shape {tuple(value.shape)}, and had " \
+                   f"{len(first)} at the first call, shape {self.user_shape(name, first)}"
         was, now = self.user_shape(name, first), self.user_shape(name, tuple(value.shape))
         order = self.user_shape(name, tuple(range(len(first))))  # own dimension → dimension tokens-first
         changed = next(d for d in range(1, len(first)) if first[d] != value.shape[d])

@@ -23,7 +23,6 @@ from ..errors import ForwardRefused
 from ..opaque import resolve_splitting_ops
 from . import first_call, search
 from .core import Core
-from .outputs import refuse_made_tensors_in_objects
 from .verify import VerifyReport, verify
 
 logger = logging.getLogger(__name__)
@@ -43,7 +42,6 @@ class PiecewiseModel(Core):
         if config.splitting_ops is not None:
             resolve_splitting_ops(config.splitting_ops)  # an unknown name is an error now, not at the first call
         self._prepared = False
-        self._outputs_checked = False
 
     @property
     def token_arguments(self) -> dict[str, int] | None:
@@ -90,23 +88,16 @@ class PiecewiseModel(Core):
                 phase = Phase.REPLAY if self.state.capture_done else Phase.PADDED
                 self.stats.padded_calls += 1
                 output = self.run_call(Call(phase, size, tokens), staged)
-            if not self._outputs_checked and not isinstance(output, torch.Tensor):
-                refuse_made_tensors_in_objects(output, self._kept_storages(arguments))
-            self._outputs_checked = True
         return self.finish(output, tokens, size)
-
-    def _kept_storages(self, arguments: dict[str, Any]) -> set[int]:
-        """Storages of the model's tensors and the static arguments: what an output object may hold."""
-        tensors = [*self.model.parameters(), *self.model.buffers(),
-                   *(value for name, value in arguments.items()
-                     if isinstance(value, torch.Tensor) and name in self.arguments.static_ptrs)]
-        return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
         try:
             self._prepare_first(arguments)
         except ForwardRefused as exc:
-            raise _with_cache_hint(exc, arguments) from exc.__cause__
+            hinted = _with_hints(exc, arguments, self.arguments)
+            if hinted is exc:
+                raise
+            raise hinted from exc
 
     def _prepare_first(self, arguments: dict[str, Any]) -> None:
         auto = self.config.compiler == "auto"
@@ -212,14 +203,23 @@ def compile(
     return PiecewiseModel(model, config if config is not None else CaptureConfig(), dynamic)
 
 
-def _with_cache_hint(exc: ForwardRefused, arguments: dict[str, Any]) -> ForwardRefused:
-    """A refusal of a call given a transformers cache object (``StaticCache``, ``DynamicCache``: updated in place
-    by the forward, read across the padded rows), with the way piecewise serves a KV cache instead."""
+def _with_hints(exc: ForwardRefused, arguments: dict[str, Any], binder: Any) -> ForwardRefused:
+    """A first call's refusal, with what the caller may not know: the token dimension piecewise found by itself
+    where it took ids batch-first, and, given transformers' own cache object (``StaticCache``, ``DynamicCache``:
+    updated in place by the forward, read across the padded rows), how piecewise serves a KV cache instead."""
+    notes = []
+    if binder.moved and not binder.dynamic_given:
+        taken = ", ".join(f"{name!r} {binder.user_shape(name, tuple(arguments[name].shape))}" for name in binder.moved
+                          if isinstance(arguments.get(name), torch.Tensor))
+        notes.append(f"piecewise took {taken} as one sequence, the tokens in dimension 1 (ids shaped [1, n]); if "
+                     f"dimension 0 carries the tokens, pass dynamic={{{', '.join(f'{n!r}: 0' for n in binder.dynamic)}}}.")
     caches = [name for name, value in arguments.items() if type(value).__module__.startswith("transformers.cache")]
-    if not caches:
+    if caches:
+        notes.append(
+            f"With transformers' own cache ({', '.join(f'{name}={type(arguments[name]).__name__}' for name in caches)}"
+            f"), decode through piecewise's: piecewise.generate(model, prompts), or "
+            f"integrations.token_model.TokenModel(integrations.transformers.enable(model)) with a cache from its "
+            f"make_kv_cache (one graph set for prefill and decode of many sequences).")
+    if not notes:
         return exc
-    return ForwardRefused(
-        f"{exc} With transformers' own cache ({', '.join(f'{name}={type(arguments[name]).__name__}' for name in caches)}"
-        f"), decode through piecewise's: piecewise.generate(model, prompts), or "
-        f"integrations.token_model.TokenModel(integrations.transformers.enable(model)) with a cache from its "
-        f"make_kv_cache (one graph set for prefill and decode of many sequences).", exc.kind, exc.chain)
+    return ForwardRefused(" ".join([str(exc), *notes]), exc.kind, exc.chain)

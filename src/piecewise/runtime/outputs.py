@@ -1,102 +1,78 @@
 """Outputs piecewise cannot hand back right: tensors the forward made, inside an object that is not a container.
 
 ``Core.finish`` cuts each output tensor to the call's tokens and copies it out of the graphs' memory, walking
-tuples, lists, dicts, pytree-registered classes (transformers' ``ModelOutput``) and dataclasses (``map_outputs``).
-A tensor inside any other object (transformers' ``DynamicCache`` in ``past_key_values``, a dataclass of results) would come back with the
-padded rows and in memory the next replay overwrites: refused at the first call, naming it and what to do. Such
-an object that holds only the model's own tensors or the static arguments (a cache passed in and returned) is
-served.
+tuples, lists, dicts, pytree-registered classes (transformers' ``ModelOutput``) and dataclasses
+(``capture.outputs.map_outputs``). A tensor inside any other object (transformers' ``DynamicCache`` in
+``past_key_values``) would come back with the padded rows and in memory the next replay overwrites: refused at the
+first call, naming it and what to do. Such an object that holds only the model's own tensors or the static
+arguments (a cache passed in and returned) is served.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from typing import Any
 
 import torch
 
+from ..capture.outputs import unmapped_leaves
 from ..errors import ForwardRefused
 
-_DEPTH = 4
+_DEPTH = 6
 
 
-def map_outputs(fn: Any, output: Any) -> Any:
-    """``fn`` applied to each tensor of ``output`` inside pytree containers and dataclass instances (SGLang's
-    ``LogitsProcessorOutput``; a copy with the fields mapped, frozen ones too); other leaves as they are."""
-    def leaf(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return fn(value)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            made = copy.copy(value)
-            for field in dataclasses.fields(value):
-                object.__setattr__(made, field.name, torch.utils._pytree.tree_map(leaf, getattr(value, field.name)))
-            return made
-        return value
-
-    return torch.utils._pytree.tree_map(leaf, output)
-
-
-def output_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of ``output`` in ``map_outputs``' order (dataclass fields included)."""
-    found: list[torch.Tensor] = []
-    map_outputs(lambda tensor: found.append(tensor) or tensor, output)
-    return found
-
-
-def _leaves(output: Any) -> list:
-    """The leaves ``map_outputs`` does not map: objects other than tensors, containers and dataclasses."""
-    found: list = []
-
-    def note(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            found.append(value)
-        return value
-
-    def leaf(value: Any) -> Any:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            for field in dataclasses.fields(value):
-                torch.utils._pytree.tree_map(leaf, getattr(value, field.name))
-            return value
-        return note(value)
-
-    torch.utils._pytree.tree_map(leaf, output)
-    return found
+def _fields(value: Any) -> dict[str, Any]:
+    """An object's attributes: ``__dict__`` and ``__slots__``."""
+    fields = dict(getattr(value, "__dict__", {}))
+    for cls in type(value).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name not in fields and hasattr(value, name):
+                fields[name] = getattr(value, name)
+    return fields
 
 
 def _within(value: Any, path: str, depth: int, seen: set[int]):
-    """(path, tensor) for each tensor inside ``value``'s lists, tuples, dicts and plain objects' attributes."""
-    if id(value) in seen or depth < 0 or isinstance(value, (str, bytes, int, float, bool, type(None), type,
-                                                           torch.nn.Module)):
+    """(path, tensor) for each tensor inside ``value``'s lists, tuples, dicts and objects' attributes; (path, None)
+    where an object lies deeper than the walk goes."""
+    if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
         return
     seen.add(id(value))
     if isinstance(value, torch.Tensor):
         yield path, value
         return
+    if depth < 0:
+        yield path, None
+        return
     if isinstance(value, dict):
         items = [(f"{path}[{key!r}]", item) for key, item in value.items()]
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple, set, frozenset)):
         items = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
     else:
-        items = [(f"{path}.{key}", item) for key, item in getattr(value, "__dict__", {}).items()]
+        items = [(f"{path}.{key}", item) for key, item in _fields(value).items()]
     for where, item in items:
         yield from _within(item, where, depth - 1, seen)
 
 
-def refuse_made_tensors_in_objects(output: Any, kept: set[int]) -> None:
-    """Refuse an output whose non-container objects hold tensors other than those in ``kept`` (storages of the
-    model's tensors and the static arguments)."""
-    for leaf in _leaves(output):
-        name = type(leaf).__name__
+def refuse_made_tensors_in_objects(output: Any, kept: list[torch.Tensor], arguments: dict[str, Any]) -> None:
+    """Refuse a (first, eager) output whose objects hold tensors other than the model's and the arguments' (``kept``
+    and the tensors inside the arguments), where ``Core.finish`` would not cut and copy them: in objects other than
+    containers and dataclasses, and in a dataclass's attributes that are not its fields."""
+    known = {t.untyped_storage().data_ptr() for t in [*kept, *_argument_tensors(arguments)] if t.device.type != "meta"}
+    for name, leaf in unmapped_leaves(output):
         for path, tensor in _within(leaf, name, _DEPTH, set()):
-            if tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in kept:
+            if tensor is not None and (tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in known):
                 continue
+            what = f"tensors the forward made ({path}, shape {tuple(tensor.shape)})" if tensor is not None else \
+                f"objects nested deeper than piecewise looks ({path})"
             raise ForwardRefused(
-                f"piecewise: the output holds a {name} object with tensors the forward made ({path}, shape "
-                f"{tuple(tensor.shape)}). piecewise cuts each output tensor to the call's tokens and copies it out of "
-                f"the graphs' memory inside tuples, lists, dicts, dataclasses and ModelOutputs, not inside other "
-                f"objects: this one "
-                f"would come back with the padded rows, in memory the next call overwrites. Return the tensors "
-                f"themselves, or leave the object out of the output (transformers: call with use_cache=False; for a "
-                f"KV cache use piecewise.generate or integrations.token_model.TokenModel).",
+                f"piecewise: the output holds {what}. piecewise cuts each output tensor to the "
+                f"call's tokens and copies it out of the graphs' memory inside tuples, lists, dicts, dataclass fields "
+                f"and ModelOutputs, not inside other objects: this one would come back with the padded rows, in "
+                f"memory the next call overwrites. Return the tensors themselves, or leave the object out of the "
+                f"output (transformers: call with use_cache=False; for a KV cache use piecewise.generate or "
+                f"integrations.token_model.TokenModel).",
                 "output_object")
+
+
+def _argument_tensors(arguments: dict[str, Any]) -> list[torch.Tensor]:
+    return [tensor for value in arguments.values() if not isinstance(value, torch.Tensor)
+            for _, tensor in _within(value, "", _DEPTH, set()) if tensor is not None]

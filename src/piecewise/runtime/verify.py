@@ -18,10 +18,9 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..capture.outputs import output_tensors
 from ..capture.state import Call, Phase, probe_call
 from ..frontends.user_frames import chain_text, user_chain
-from .outputs import output_tensors
-
 
 CAUSES = ("Typical causes: a host-side decision frozen at capture (Python reading a value, a kernel configuration "
           "chosen from the token count), an op that reads per-call metadata and is not a splitting op (it was "
