@@ -19,7 +19,7 @@ import blocker_models as bm  # noqa: E402
 import fakejit  # noqa: E402
 import fakejit.quant  # noqa: E402
 
-from piecewise import DoctorReport, doctor  # noqa: E402
+from piecewise import DoctorReport, doctor, opaque_op  # noqa: E402
 from piecewise.diagnostics import (  # noqa: E402
     FIXES,
     Blocker,
@@ -308,3 +308,27 @@ def test_missing_trial_capture_hook_is_skipped(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(doctor_module, "_on_cuda", lambda model: True)
     report = doctor(bm.CleanModel(), bm.example_input())
     assert report.ok and not report.trial_capture
+
+
+@opaque_op("test_doctor::rotate", fake=lambda x, positions: x.new_empty(x.shape))
+def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return x * torch.cos(positions.to(x.dtype))[..., None]
+
+
+class RotatesByPosition(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+
+    def forward(self, ids, positions):
+        return rotate(self.embed(ids), positions)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_the_doctor_names_per_token_metadata_given_to_an_opaque_op_that_does_not_split(batch_first):
+    """Positions handed to an opaque op inside a graph: the doctor warns (the op may decide on the host from them),
+    counting the tokens as the runtime does, batch-first ids [1, T] included."""
+    ids = torch.randint(0, 50, (1, 6) if batch_first else (6,))
+    report = doctor(RotatesByPosition(), ids, torch.arange(6))
+    assert any("`test_doctor::rotate`" in w and "per-call metadata (positions" in w for w in report.warnings), \
+        report.warnings
