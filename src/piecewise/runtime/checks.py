@@ -102,7 +102,8 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     raised ``error`` in the forward: where the model's own forward refuses those rows too (per-sequence lengths or
     offsets that must add up to the call's rows), a ``ForwardRefused`` saying what piecewise ran and what the
     arguments must allow. Piecewise's own refusals, and errors the model's own forward does not raise, are left
-    to propagate."""
+    to propagate. The model's own forward runs here as a rehearsal: state it writes in place (a cache in buffers)
+    gets the rows it is given, as the first call's other runs do."""
     from ..errors import CaptureBlockedError, CaptureFailed
 
     if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)):
