@@ -625,3 +625,28 @@ def test_a_static_argument_of_another_dtype_is_named_as_such_not_as_moved_storag
         runner(ids, positions, cache.to("meta"))
     with pytest.raises(ValueError, match=r"\(its storage moved\)"):
         runner(ids, positions, cache.clone())
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_forward_hooks_are_named_at_the_first_call(frontend):
+    """A hook keeping activations sees padded rows, and replays run no Python (breakable) or keep graph memory
+    (Dynamo): the first call names each hook; the model's output, hook-changed included, stays right."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).eval()
+    kept = {}
+
+    def keep_activation(module, args, output):
+        kept["hidden"] = output
+
+    model[0].register_forward_hook(keep_activation)
+    model[2].register_forward_hook(lambda module, args, output: output * 2)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    x = torch.randn(3, 8)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"Python forward hooks \(0: .*keep_activation; 2: .*"
+                                                          r"<lambda>\)\. A hook that changes"):
+        torch.testing.assert_close(runner(x), model(x))
+    plain = piecewise.compile(torch.nn.Linear(8, 8), piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain(x)
+    assert not [w for w in caught if "forward hooks" in str(w.message)]

@@ -21,6 +21,7 @@ from ..frontends import make_frontend
 from ..frontends.dynamo_trace import DynamoBlocked
 from ..opaque import check_fakes, opaque_call_counts, resolve_splitting_ops
 from .bounds import drop_sizes_out_of_range
+from .hooks import warn_of_forward_hooks
 from .outputs import refuse_made_tensors_in_objects
 from .capture_sizes import capture_all, out_of_memory
 from .checks import (ModuleState, RandomState, check_one_token, check_padding, refuse_if_rows_refused,
@@ -104,6 +105,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     with forward_context(tokens, tokens, rehearsal=True):
         output = core.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
     refuse_made_tensors_in_objects(output, [*model_tensors, *static], arguments)
+    warn_of_forward_hooks(core.model)
     called = {name for name, count in opaque_call_counts().items() if count != counts.get(name, 0)}
     check_fakes(called, strides=core.config.compiler == "inductor")  # before Dynamo traces with them
     module_state.changed()  # what the warm-up built on first use is the model's from now on
