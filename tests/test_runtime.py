@@ -916,3 +916,16 @@ def test_a_refusal_after_ids_taken_batch_first_says_how_to_name_dimension_0():
     with torch.no_grad():
         for rows in (1, 5, 2):
             torch.testing.assert_close(runner(codes[:rows]), model(codes[:rows]))
+
+
+def test_a_torch_compiled_module_is_compiled_from_its_original_with_a_warning():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    with pytest.warns(UserWarning, match=r"got a torch.compile'd module: .*model._orig_mod") as caught:
+        runner = piecewise.compile(torch.compile(model), piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
+    assert [w.filename for w in caught if "torch.compile'd" in str(w.message)] == [__file__]
+    with torch.no_grad():
+        for tokens in (3, 5):
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))
+    assert runner.model is model

@@ -4,6 +4,7 @@ use, and the two primitives every run goes through: ``run_call`` (the one place 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -37,6 +38,12 @@ class Core:
                 f"write piecewise.CaptureConfig(**{config!r})" if isinstance(config, dict) else
                 f"piecewise.compile: config must be a piecewise.CaptureConfig, got {type(config).__name__}"
             )
+        original = getattr(model, "_orig_mod", None)
+        if isinstance(original, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
+            warnings.warn("piecewise.compile got a torch.compile'd module: piecewise traces, compiles and captures the "
+                          "original module (model._orig_mod) itself, without torch.compile's options; pass it directly",
+                          stacklevel=4)
+            model = original
         self.model = model
         self.config = config
         self.arguments = Arguments(model, dynamic)
