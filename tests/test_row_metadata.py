@@ -339,6 +339,20 @@ class Slotted:
         self.hidden = hidden
 
 
+class PrivateSlot:
+    __slots__ = "__hidden"
+
+    def __init__(self, hidden):
+        self.__hidden = hidden
+
+
+def nested_config(levels):
+    config = {"name": "leaf"}
+    for level in range(levels):
+        config = {"level": level, "inner": config}
+    return config
+
+
 class ReturnsAnObject(torch.nn.Module):
     def __init__(self, kind):
         super().__init__()
@@ -349,11 +363,16 @@ class ReturnsAnObject(torch.nn.Module):
         hidden = self.a(x)
         if self.kind == "post_init":
             return WithExtra(hidden)
+        if self.kind == "private_slot":
+            return hidden, PrivateSlot(hidden)
+        if self.kind == "config":  # objects deeper than any fixed walk, and no tensor among them: served
+            return hidden, nested_config(40)
         return (hidden, Slotted(hidden)) if self.kind == "slots" else (hidden,)
 
 
 @pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
-@pytest.mark.parametrize("kind, path", [("post_init", "WithExtra.scaled"), ("slots", "Slotted.hidden")])
+@pytest.mark.parametrize("kind, path", [("post_init", "WithExtra.scaled"), ("slots", "Slotted.hidden"),
+                                        ("private_slot", "PrivateSlot._PrivateSlot__hidden")])
 def test_output_objects_piecewise_would_return_padded_are_refused_at_the_first_call(frontend, kind, path):
     """Tensors the forward made inside an object ``finish`` does not cut (a dataclass attribute that is not a field,
     an object with __slots__) are refused before anything is prepared: the same runner then serves another call."""
@@ -366,3 +385,13 @@ def test_output_objects_piecewise_would_return_padded_are_refused_at_the_first_c
     with torch.no_grad():
         x = torch.randn(3, 8)
         assert torch.equal(runner(x)[0], model(x)[0])
+
+
+def test_an_output_object_deeper_than_any_fixed_walk_without_tensors_is_served():
+    model = ReturnsAnObject("config").eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        hidden, config = runner(x)
+    torch.testing.assert_close(hidden, model(x)[0])
+    assert config == nested_config(40)

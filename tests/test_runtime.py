@@ -929,3 +929,26 @@ def test_a_torch_compiled_module_is_compiled_from_its_original_with_a_warning():
             x = torch.randn(tokens, 8)
             torch.testing.assert_close(runner(x), model(x))
     assert runner.model is model
+
+
+class NamedAndKeywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale=None, **options):
+        return self.a(x) * (2 if options.get("double") else 1)
+
+
+def test_a_forward_with_keyword_arguments_is_called_without_dynamos_frame_hook():
+    """``forward(x, scale=None, **options)``: the compiled code's guard sees the named parameters as locals and the
+    rest as the keywords dict, so calls skip Dynamo's frame hook; another keyword value is another variant."""
+    model = NamedAndKeywords().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo", cache_dir=None))
+    with torch.no_grad():
+        for tokens in (3, 5, 2):
+            x = torch.randn(tokens, 4)
+            torch.testing.assert_close(runner(x), model(x))
+        assert runner.frontend.tracer.last_direct
+        with pytest.warns(UserWarning, match="argument 'double' is given now"):
+            torch.testing.assert_close(runner(x, double=True), model(x, double=True))

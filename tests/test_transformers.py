@@ -397,3 +397,23 @@ def test_transformers_own_static_cache_is_refused_naming_piecewises_cache():
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, cache_dir=None))
     with torch.no_grad(), pytest.raises(ForwardRefused, match=r"past_key_values=StaticCache.*piecewise.generate"):
         runner(torch.randint(0, 128, (1, 7)), past_key_values=cache, cache_position=torch.arange(7), use_cache=True)
+
+
+def test_transformers_own_output_capturing_hooks_are_not_named():
+    """transformers adds hooks to collect hidden states on the first call that asks for them; they only feed the
+    output, which piecewise cuts and copies: no hook warning."""
+    import warnings
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        model(ids, output_hidden_states=True)
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, cache_dir=None))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = runner(ids, use_cache=False)
+    assert not [w for w in caught if "forward hooks" in str(w.message)]
+    torch.testing.assert_close(out.logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)

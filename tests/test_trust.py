@@ -643,8 +643,9 @@ def test_forward_hooks_are_named_at_the_first_call(frontend):
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
     x = torch.randn(3, 8)
     with torch.no_grad(), pytest.warns(UserWarning, match=r"Python forward hooks \(0: .*keep_activation; 2: .*"
-                                                          r"<lambda>\)\. A hook that changes"):
+                                                          r"<lambda>\)\. A hook that changes") as caught:
         torch.testing.assert_close(runner(x), model(x))
+    assert [w.filename for w in caught if "forward hooks" in str(w.message)] == [__file__]  # the caller's line
     plain = piecewise.compile(torch.nn.Linear(8, 8), piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -68,10 +68,12 @@ class DirectCall:
         )
         self.function.__kwdefaults__ = function.__kwdefaults__
         self.self_name = code.co_varnames[0]
-        keywords = function.__code__
-        self.varkw = keywords.co_varnames[keywords.co_argcount + keywords.co_kwonlyargcount] \
-            if keywords.co_flags & inspect.CO_VARKEYWORDS else None
-        """``forward(**arguments)`` (the runtime's ``TokensFirst``): the frame holds the dict as that local."""
+        own = function.__code__
+        named = own.co_argcount + own.co_kwonlyargcount
+        self.named = frozenset(own.co_varnames[1:named])
+        self.varkw = own.co_varnames[named] if own.co_flags & inspect.CO_VARKEYWORDS else None
+        """``forward(..., **arguments)`` (the runtime's ``TokensFirst``): the frame holds the keywords that are not
+        named parameters as one dict, under that name."""
         self.broken = False
         self.cells = tuple(zip(function.__code__.co_freevars, function.__closure__ or ()))
         self.defaults = {
@@ -96,7 +98,12 @@ class DirectCall:
         return cls(method, code, check)
 
     def __call__(self, kwargs: dict) -> tuple[bool, Any]:
-        frame_locals = {**self.defaults, **({self.varkw: kwargs} if self.varkw else kwargs), self.self_name: self.owner}
+        if self.varkw:
+            given = {name: value for name, value in kwargs.items() if name in self.named}
+            given[self.varkw] = {name: value for name, value in kwargs.items() if name not in self.named}
+        else:
+            given = kwargs
+        frame_locals = {**self.defaults, **given, self.self_name: self.owner}
         for name, cell in self.cells:  # Dynamo's guards see closure variables as frame locals
             frame_locals[name] = cell.cell_contents
         try:

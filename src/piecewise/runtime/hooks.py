@@ -9,20 +9,32 @@ outside: the first call warns once, naming them.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import torch
 from torch.nn.modules import module as module_hooks
 
+from .layout import inner
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+_QUIET = ("transformers.utils.output_capturing",)
+"""Hooks that only collect what becomes part of the output (transformers' ``output_hidden_states``): the output's
+tensors are cut and copied as any other."""
+
 
 def warn_of_forward_hooks(model: torch.nn.Module) -> list[str]:
     """Warn once when the model's modules (or every module: global hooks) have Python forward hooks; returns
     them as ``module: hook``."""
-    found = [f"{name or 'the model'}: {_name(hook)}" for name, module in model.named_modules()
-             for hooks in (module._forward_pre_hooks, module._forward_hooks) for hook in hooks.values()]
+    found = [f"{name or 'the model'}: {_name(hook)}" for name, module in inner(model).named_modules()
+             for hooks in (module._forward_pre_hooks, module._forward_hooks) for hook in hooks.values()
+             if not _quiet(hook)]
     found += [f"every module: {_name(hook)}" for hooks in (module_hooks._global_forward_pre_hooks,
                                                              module_hooks._global_forward_hooks)
-              for hook in hooks.values()]
+              for hook in hooks.values() if not _quiet(hook)]
     if found:
         warnings.warn(
             f"piecewise: the model has Python forward hooks ({'; '.join(found[:4])}"
@@ -30,8 +42,20 @@ def warn_of_forward_hooks(model: torch.nn.Module) -> list[str]:
             f"captured as it ran. One that reads or keeps activations sees the padded rows of each call, and once "
             f"graphs replay it does not run (breakable) or keeps tensors in graph memory that the next call "
             f"overwrites (Dynamo). Return what such a hook needs from forward, or call the model itself for those "
-            f"calls.", stacklevel=5)
+            f"calls.", stacklevel=_caller_level())
     return found
+
+
+def _quiet(hook) -> bool:
+    return str(getattr(hook, "__module__", "") or "").startswith(_QUIET)
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel for the first frame outside piecewise (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _name(hook) -> str:

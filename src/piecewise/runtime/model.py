@@ -19,7 +19,7 @@ from ..capture.buffers import storage_alias
 from ..capture.segment import runner_call
 from ..capture.state import Call, Phase
 from ..config import CaptureConfig
-from ..errors import ForwardRefused
+from ..errors import BlockerKind, ForwardRefused
 from ..opaque import resolve_splitting_ops
 from . import first_call, search
 from .core import Core
@@ -97,7 +97,7 @@ class PiecewiseModel(Core):
             hinted = _with_hints(exc, arguments, self.arguments)
             if hinted is exc:
                 raise
-            raise hinted from exc
+            raise hinted.with_traceback(exc.__traceback__) from exc.__cause__
 
     def _prepare_first(self, arguments: dict[str, Any]) -> None:
         auto = self.config.compiler == "auto"
@@ -203,12 +203,16 @@ def compile(
     return PiecewiseModel(model, config if config is not None else CaptureConfig(), dynamic)
 
 
+_ABOUT_ROWS = {BlockerKind.TOKEN_MIXING, BlockerKind.TOKEN_BRANCH, BlockerKind.TOKEN_LAYOUT}
+"""Refusals about which rows are tokens: where ids were taken batch-first, the other reading is worth naming."""
+
+
 def _with_hints(exc: ForwardRefused, arguments: dict[str, Any], binder: Any) -> ForwardRefused:
     """A first call's refusal, with what the caller may not know: the token dimension piecewise found by itself
     where it took ids batch-first, and, given transformers' own cache object (``StaticCache``, ``DynamicCache``:
     updated in place by the forward, read across the padded rows), how piecewise serves a KV cache instead."""
     notes = []
-    if binder.moved and not binder.dynamic_given:
+    if binder.moved and not binder.dynamic_given and exc.kind in _ABOUT_ROWS:
         taken = ", ".join(f"{name!r} {binder.user_shape(name, tuple(arguments[name].shape))}" for name in binder.moved
                           if isinstance(arguments.get(name), torch.Tensor))
         notes.append(f"piecewise took {taken} as one sequence, the tokens in dimension 1 (ids shaped [1, n]); if "

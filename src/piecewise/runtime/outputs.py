@@ -10,6 +10,7 @@ arguments (a cache passed in and returned) is served.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -17,39 +18,45 @@ import torch
 from ..capture.outputs import unmapped_leaves
 from ..errors import ForwardRefused
 
-_DEPTH = 6
+_BUDGET = 10_000
+"""Objects walked below one output object (or one argument) before piecewise gives up on what lies deeper."""
 
 
 def _fields(value: Any) -> dict[str, Any]:
-    """An object's attributes: ``__dict__`` and ``__slots__``."""
+    """An object's attributes: ``__dict__`` and ``__slots__`` (a single name or names; private ones mangled)."""
     fields = dict(getattr(value, "__dict__", {}))
     for cls in type(value).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if name not in fields and hasattr(value, name):
+        slots = getattr(cls, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"
+            if name not in fields and name not in ("__dict__", "__weakref__") and hasattr(value, name):
                 fields[name] = getattr(value, name)
     return fields
 
 
-def _within(value: Any, path: str, depth: int, seen: set[int]):
-    """(path, tensor) for each tensor inside ``value``'s lists, tuples, dicts and objects' attributes; (path, None)
-    where an object lies deeper than the walk goes."""
-    if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
-        return
-    seen.add(id(value))
-    if isinstance(value, torch.Tensor):
-        yield path, value
-        return
-    if depth < 0:
-        yield path, None
-        return
-    if isinstance(value, dict):
-        items = [(f"{path}[{key!r}]", item) for key, item in value.items()]
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
-    else:
-        items = [(f"{path}.{key}", item) for key, item in _fields(value).items()]
-    for where, item in items:
-        yield from _within(item, where, depth - 1, seen)
+def _within(value: Any, path: str):
+    """(path, tensor) for each tensor inside ``value``'s lists, tuples, dicts and objects' attributes, breadth first;
+    (path, None) where more objects lie below than the walk's budget."""
+    queue, seen, walked = collections.deque([(path, value)]), set(), 0
+    while queue:
+        path, value = queue.popleft()
+        if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            yield path, value
+            continue
+        walked += 1
+        if walked > _BUDGET:
+            yield path, None
+            return
+        if isinstance(value, dict):
+            queue += [(f"{path}[{key!r}]", item) for key, item in value.items()]
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            queue += [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+        else:
+            queue += [(f"{path}.{key}", item) for key, item in _fields(value).items()]
 
 
 def refuse_made_tensors_in_objects(output: Any, kept: list[torch.Tensor], arguments: dict[str, Any]) -> None:
@@ -58,11 +65,11 @@ def refuse_made_tensors_in_objects(output: Any, kept: list[torch.Tensor], argume
     containers and dataclasses, and in a dataclass's attributes that are not its fields."""
     known = {t.untyped_storage().data_ptr() for t in [*kept, *_argument_tensors(arguments)] if t.device.type != "meta"}
     for name, leaf in unmapped_leaves(output):
-        for path, tensor in _within(leaf, name, _DEPTH, set()):
+        for path, tensor in _within(leaf, name):
             if tensor is not None and (tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in known):
                 continue
             what = f"tensors the forward made ({path}, shape {tuple(tensor.shape)})" if tensor is not None else \
-                f"objects nested deeper than piecewise looks ({path})"
+                f"more objects than piecewise walks (past {path})"
             raise ForwardRefused(
                 f"piecewise: the output holds {what}. piecewise cuts each output tensor to the "
                 f"call's tokens and copies it out of the graphs' memory inside tuples, lists, dicts, dataclass fields "
@@ -75,4 +82,4 @@ def refuse_made_tensors_in_objects(output: Any, kept: list[torch.Tensor], argume
 
 def _argument_tensors(arguments: dict[str, Any]) -> list[torch.Tensor]:
     return [tensor for value in arguments.values() if not isinstance(value, torch.Tensor)
-            for _, tensor in _within(value, "", _DEPTH, set()) if tensor is not None]
+            for _, tensor in _within(value, "") if tensor is not None]
