@@ -273,11 +273,10 @@ def _auto_trial(model: Any, args: tuple, kwargs: dict, dynamo_blocked: bool,
 
 def _token_count(model: Any, args: tuple, kwargs: dict) -> int | None:
     """The call's tokens as the runtime counts them (ids [1, n] batch-first: n), or None where it cannot tell."""
-    from .runtime.arguments import Arguments
+    from .runtime.arguments import call_tokens
 
     try:
-        binder = Arguments(model, None)
-        return binder.token_count(binder.take(tuple(args), dict(kwargs)))
+        return call_tokens(model, args, kwargs)
     except Exception:  # noqa: BLE001 - the runner's own first call reports what is wrong with the arguments
         return next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
 

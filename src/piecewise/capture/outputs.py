@@ -1,8 +1,10 @@
 """A forward's output as piecewise walks it: tensors inside pytree containers (tuples, lists, dicts, transformers'
-``ModelOutput``) and dataclass instances, which torch's pytree takes as single leaves."""
+``ModelOutput``) and dataclass instances, which torch's pytree takes as single leaves; and the tensors anywhere
+inside an object (``walk_tensors``: arguments, module attributes, output objects)."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from typing import Any
@@ -51,3 +53,44 @@ def unmapped_leaves(output: Any) -> list[tuple[str, Any]]:
 
     torch.utils._pytree.tree_map(leaf, output)
     return found
+
+
+_BUDGET = 10_000
+"""Objects ``walk_tensors`` visits below one value before it gives up on what lies deeper."""
+
+
+def object_fields(value: Any) -> dict[str, Any]:
+    """An object's attributes: ``__dict__`` and ``__slots__`` (a single name or names; private ones mangled)."""
+    fields = dict(getattr(value, "__dict__", {}))
+    for cls in type(value).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"
+            if name not in fields and name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                fields[name] = getattr(value, name)
+    return fields
+
+
+def walk_tensors(value: Any, path: str = ""):
+    """(path, tensor) for each tensor inside ``value``'s lists, tuples, dicts and objects' attributes, breadth first;
+    (path, None) where more objects lie below than the walk's budget."""
+    queue, seen, walked = collections.deque([(path, value)]), set(), 0
+    while queue:
+        path, value = queue.popleft()
+        if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            yield path, value
+            continue
+        walked += 1
+        if walked > _BUDGET:
+            yield path, None
+            return
+        if isinstance(value, dict):
+            queue += [(f"{path}[{key!r}]", item) for key, item in value.items()]
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            queue += [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+        else:
+            queue += [(f"{path}.{key}", item) for key, item in object_fields(value).items()]

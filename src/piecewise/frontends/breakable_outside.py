@@ -6,7 +6,7 @@ forward context, a table built at import) would be read at its first-call addres
 the caller put a new tensor there (stale values, or freed memory). Dynamo re-reads such tensors at every call; the
 breakable front-end refuses them at the first call, naming the op (or the compiled region, whose inputs are what
 Dynamo lifted, globals included) and the line, where its runs are checked (``OutsideTensors``). Known: the run's arguments (to any depth of objects), the model's parameters, buffers and
-tensor attributes (of its modules, to any depth of containers and objects), the front-end's static and staged
+tensor attributes (of its modules, inside any containers and objects), the front-end's static and staged
 tensors, the splitting calls' buffers, and whatever an op of the run made.
 """
 
@@ -17,40 +17,17 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ..capture.outputs import walk_tensors
 from ..errors import ForwardRefused
 from .breakable_steps import storage
 from .user_frames import chain_text, user_chain
-
-_DEPTH = 4
-"""Levels of containers and objects searched for tensors below an argument or a module attribute."""
-
-
-def tensors_within(value: Any, depth: int = _DEPTH, seen: set[int] | None = None) -> list[torch.Tensor]:
-    """The tensors in ``value``: itself, or in its lists, tuples, dicts and plain objects' attributes, to ``depth``
-    levels (modules are walked by their owner)."""
-    seen = set() if seen is None else seen
-    if id(value) in seen or depth < 0:
-        return []
-    seen.add(id(value))
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
-        return []
-    if isinstance(value, dict):
-        items = list(value.values())
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = list(value)
-    else:
-        items = list(getattr(value, "__dict__", {}).values())
-    return [t for item in items for t in tensors_within(item, depth - 1, seen)]
-
 
 class OutsideTensors:
     """One checked run's known tensors (by storage), and the check of an op's inputs against them."""
 
     def __init__(self, frontend: Any, arguments: dict[str, Any]):
         self.frontend = frontend
-        self.known: set[int] = {storage(t) for t in tensors_within(arguments) if _checkable(t)}
+        self.known: set[int] = {storage(t) for t in _tensors(arguments) if _checkable(t)}
 
     def made(self, result: Any) -> None:
         """Note what an op of the run returned."""
@@ -92,10 +69,15 @@ class OutsideTensors:
     def _modules(self, refresh: bool) -> set[int]:
         """The model's tensors (kept on the front-end across runs; walked again where a tensor is not among them)."""
         if self.frontend.module_storages is None or refresh:
-            found = [t for module in self.frontend.model.modules() for t in tensors_within(
+            found = [t for module in self.frontend.model.modules() for t in _tensors(
                 {k: v for k, v in vars(module).items() if k != "_modules"})]
             self.frontend.module_storages = {storage(t) for t in found if _checkable(t)}
         return self.frontend.module_storages
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors anywhere inside ``value`` (modules are walked by their owner)."""
+    return [tensor for _, tensor in walk_tensors(value) if tensor is not None]
 
 
 def _checkable(tensor: torch.Tensor) -> bool:

@@ -49,6 +49,15 @@ def innermost_user_line() -> tuple[str, int] | None:
     return None
 
 
+def caller_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from the function that calls this, for the innermost frame outside the
+    piecewise package: the user's call into it."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def line_text(place: tuple[str, int] | None) -> str:
     """``file:line (`code`)``, or "an unknown line"."""
     if place is None:

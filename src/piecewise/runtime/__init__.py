@@ -11,7 +11,7 @@ from ..diagnostics.blockers import Blocker, Frame
 from ..diagnostics.classify import FIXES
 from ..errors import CaptureFailed, ForwardRefused
 from ..graph.stack import node_stack
-from .arguments import Arguments
+from .arguments import call_tokens
 from .model import PiecewiseModel, compile
 
 __all__ = ["PiecewiseModel", "auto_trial", "breakable_trial", "compile", "trial_capture"]
@@ -32,8 +32,7 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: s
 
     Used by ``piecewise.doctor``. The model runs several times on the inputs, as on a first call.
     """
-    binder = Arguments(model, None)
-    tokens = binder.token_count(binder.take(tuple(args), dict(kwargs)))
+    tokens = call_tokens(model, args, kwargs)
     breaks = frontend == "dynamo-breaks"  # Dynamo with graph breaks: auto's last candidate
     config = CaptureConfig(max_tokens=max(DOCTOR_MAX_TOKENS, tokens), frontend="dynamo" if breaks else frontend,
                            strict=frontend == "dynamo", compiler="eager")  # what blocks capture, not what is fast

@@ -257,3 +257,9 @@ class Arguments:
             if now.get(name) != self.first_signature.get(name)
         ]
         return "; ".join(changes) if changes else STATE_CHANGE
+
+
+def call_tokens(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """The tokens of a call of ``model`` as a runner with the default token arguments counts them."""
+    binder = Arguments(model, None)
+    return binder.token_count(binder.take(tuple(args), dict(kwargs)))

@@ -21,13 +21,13 @@ from ..frontends import make_frontend
 from ..frontends.dynamo_trace import DynamoBlocked
 from ..opaque import check_fakes, opaque_call_counts, resolve_splitting_ops
 from .bounds import drop_sizes_out_of_range
-from .hooks import warn_of_forward_hooks
-from .outputs import refuse_made_tensors_in_objects
 from .capture_sizes import capture_all, out_of_memory
 from .checks import (ModuleState, RandomState, check_one_token, check_padding, refuse_if_rows_refused,
                      warn_changed_state)
 from .core import Core
 from .full_graphs import check_full_padding
+from .hooks import warn_of_forward_hooks
+from .outputs import refuse_made_tensors_in_objects
 from .verify import verify
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     devices = {t.device.type for t in model_tensors} | {arguments[name].device.type for name in given}
     use_graphs = core.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()
     core.state.graphs_enabled = core.stats.cuda_graphs = use_graphs
-    device = arguments[core.arguments.given_tokens(arguments)[0]].device
+    device = arguments[given[0]].device
     core.full.resolve(called, resolve_splitting_ops(core.config.splitting_ops), device)
     candidates = _candidates(core)
     store, key, described, recorded = _open_cache(core)

@@ -9,16 +9,13 @@ outside: the first call warns once, naming them.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import torch
 from torch.nn.modules import module as module_hooks
 
+from ..frontends.user_frames import caller_stacklevel
 from .layout import inner
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 _QUIET = ("transformers.utils.output_capturing",)
@@ -42,20 +39,12 @@ def warn_of_forward_hooks(model: torch.nn.Module) -> list[str]:
             f"captured as it ran. One that reads or keeps activations sees the padded rows of each call, and once "
             f"graphs replay it does not run (breakable) or keeps tensors in graph memory that the next call "
             f"overwrites (Dynamo). Return what such a hook needs from forward, or call the model itself for those "
-            f"calls.", stacklevel=_caller_level())
+            f"calls.", stacklevel=caller_stacklevel())
     return found
 
 
 def _quiet(hook) -> bool:
     return str(getattr(hook, "__module__", "") or "").startswith(_QUIET)
-
-
-def _caller_level() -> int:
-    """``warnings.warn``'s stacklevel for the first frame outside piecewise (the user's call)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _name(hook) -> str:

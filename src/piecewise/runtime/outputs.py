@@ -10,54 +10,12 @@ arguments (a cache passed in and returned) is served.
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import torch
 
-from ..capture.outputs import unmapped_leaves
+from ..capture.outputs import unmapped_leaves, walk_tensors
 from ..errors import ForwardRefused
-
-_BUDGET = 10_000
-"""Objects walked below one output object (or one argument) before piecewise gives up on what lies deeper."""
-
-
-def _fields(value: Any) -> dict[str, Any]:
-    """An object's attributes: ``__dict__`` and ``__slots__`` (a single name or names; private ones mangled)."""
-    fields = dict(getattr(value, "__dict__", {}))
-    for cls in type(value).__mro__:
-        slots = getattr(cls, "__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name.startswith("__") and not name.endswith("__"):
-                name = f"_{cls.__name__.lstrip('_')}{name}"
-            if name not in fields and name not in ("__dict__", "__weakref__") and hasattr(value, name):
-                fields[name] = getattr(value, name)
-    return fields
-
-
-def _within(value: Any, path: str):
-    """(path, tensor) for each tensor inside ``value``'s lists, tuples, dicts and objects' attributes, breadth first;
-    (path, None) where more objects lie below than the walk's budget."""
-    queue, seen, walked = collections.deque([(path, value)]), set(), 0
-    while queue:
-        path, value = queue.popleft()
-        if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None), type, torch.nn.Module)):
-            continue
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            yield path, value
-            continue
-        walked += 1
-        if walked > _BUDGET:
-            yield path, None
-            return
-        if isinstance(value, dict):
-            queue += [(f"{path}[{key!r}]", item) for key, item in value.items()]
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            queue += [(f"{path}[{index}]", item) for index, item in enumerate(value)]
-        else:
-            queue += [(f"{path}.{key}", item) for key, item in _fields(value).items()]
-
 
 def refuse_made_tensors_in_objects(output: Any, kept: list[torch.Tensor], arguments: dict[str, Any]) -> None:
     """Refuse a (first, eager) output whose objects hold tensors other than the model's and the arguments' (``kept``
@@ -65,7 +23,7 @@ def refuse_made_tensors_in_objects(output: Any, kept: list[torch.Tensor], argume
     containers and dataclasses, and in a dataclass's attributes that are not its fields."""
     known = {t.untyped_storage().data_ptr() for t in [*kept, *_argument_tensors(arguments)] if t.device.type != "meta"}
     for name, leaf in unmapped_leaves(output):
-        for path, tensor in _within(leaf, name):
+        for path, tensor in walk_tensors(leaf, name):
             if tensor is not None and (tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in known):
                 continue
             what = f"tensors the forward made ({path}, shape {tuple(tensor.shape)})" if tensor is not None else \
@@ -82,4 +40,4 @@ def refuse_made_tensors_in_objects(output: Any, kept: list[torch.Tensor], argume
 
 def _argument_tensors(arguments: dict[str, Any]) -> list[torch.Tensor]:
     return [tensor for value in arguments.values() if not isinstance(value, torch.Tensor)
-            for _, tensor in _within(value, "") if tensor is not None]
+            for _, tensor in walk_tensors(value) if tensor is not None]
