@@ -141,3 +141,43 @@ def test_a_full_graph_capture_that_fails_to_end_turns_full_graphs_off_and_the_pi
     assert out.shape == (3, 16) and runner.stats["replays"] > 0
     assert len(runner.state.retired_pools) == 1
     assert torch.randn(2, device="cuda").isfinite().all(), "random draws on the device work after the failure"
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("frontend", ["breakable", "dynamo"])
+def test_a_gpt_fast_model_replays_exact_full_graphs_for_counts_on_the_ladder(frontend, compiler):
+    """Cache writes in buffers (``self.k[:, :, pos] = k``) and no splitting op: each full graph holds the writes
+    and replays only for a call of its size; the first call (3 tokens) leaves the sizes above it captured with its
+    rows repeated, which write the same cache rows again. Outputs and caches equal eager; the other counts replay
+    piecewise graphs."""
+    from fixtures.state_models import BatchFirstCache
+
+    torch.manual_seed(0)
+    model = BatchFirstCache(max_seq=64).cuda().eval()
+    ids = torch.randint(0, 100, (1, 40), device="cuda")
+    counts = (3, 1, 1, 4, 5, 2, 8, 7, 1)
+
+    def generate(call):
+        for layer in model.layers:
+            layer.k.zero_()
+            layer.v.zero_()
+        outputs, start, full = [], 0, []
+        with torch.no_grad():
+            for count in counts:
+                replays = getattr(call, "stats", {}).get("full_replays", 0)
+                outputs.append(call(ids[:, start:start + count], torch.arange(start, start + count, device="cuda")))
+                full.append(getattr(call, "stats", {}).get("full_replays", 0) - replays)
+                start += count
+        return outputs, [t.clone() for layer in model.layers for t in (layer.k, layer.v)], full
+
+    expected, expected_cache, _ = generate(model)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, compiler=compiler,
+                                                              cache_dir=None))
+    got, cache, full = generate(runner)
+    for g, e in zip(got, expected):
+        assert rel_error(g, e) <= 1e-4
+    for a, b in zip(cache, expected_cache):
+        assert rel_error(a, b) <= 1e-4
+    assert full == [0, 1, 1, 1, 0, 1, 1, 0, 1], full
+    runner.stats.expect(graph_mode="full_and_piecewise", cuda_graphs=True, full_sizes=[1, 2, 4, 8], full_graphs=4)
+    assert runner.stats["replays"] > sum(full)  # the padded counts replayed piecewise graphs

@@ -54,7 +54,8 @@ class SplitCall:
     probed: bool = True
     """A splitting op of the model (not a cut write): ``verify`` records its real-row inputs."""
     cut: bool = False
-    """An in-place write cut out of the graphs (it never runs inside a full graph)."""
+    """An in-place write cut out of the graphs: inside a full graph only where the call has no pad row
+    (``CaptureState.full_exact``)."""
     by_shape: bool = False
     """No roles known (Dynamo after a graph break, where sizes are symbolic or not; a breakable call site its survey
     did not see): each size's token inputs are the non-static tensors as long as its padded size in dimension 0
@@ -71,12 +72,16 @@ class SplitCall:
         real-row views are made once."""
         state = self.state
         if call.full:
+            if self.cut and call.num_tokens == call.size:  # no pad row: the write is exact inside the graph
+                state.full_exact = True
+                return self.body(args)
             if self.cut or not captured_whole(self.name):
                 raise FullGraphRefused(
                     f"{'an in-place write into a static tensor' if self.cut else self.name} is cut out of the "
-                    f"pieces and cannot run inside a full graph")
+                    f"pieces and cannot run inside a padded full graph")
             return self.body(args)
         rows, size = call.num_tokens, call.size
+        state.cut_runs += self.cut
         roles = self._roles(args, size) if self.by_shape else self.roles
         if (roles.counts or roles.fixed) and not keep_views:
             self._check_counts(args, size, roles)

@@ -79,6 +79,10 @@ class CaptureState:
     """The ``BoundsCheck`` of a rehearsal run with ``Call.checked``."""
     probe: list | None = None
     """``verify`` sets a list here: every splitting-op call appends the tensors it is given (real rows)."""
+    cut_runs: int = 0
+    """Runs of in-place writes into static tensors cut out of the pieces (``SplitCall.cut``) on a call's real rows."""
+    full_exact: bool = False
+    """Full graphs hold such writes: each serves only calls of exactly its size (no pad row to write)."""
 
     def retire_pool(self) -> None:
         """Give later captures a fresh pool after a capture that failed to end in ``pool``.

@@ -37,8 +37,6 @@ from .breakable_survey import Observed, OpLog, shapes
 from .user_frames import chain_text, user_chain
 
 
-
-
 _CONSTRUCTED = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy, torch.ops.aten.lift)
 """Ops that take a tensor the forward just built from Python data (``torch.tensor([...])``): made by the run,
 though no op made it. An empty one (transformers' cache layers start so) holds no value; any other is refused
@@ -242,9 +240,12 @@ class Interceptor(TorchDispatchMode):
             leaves, spec = tree_flatten((args, kwargs))
             split = self.frontend.split_call(key, func, func, leaves, spec, cut=True)
             if split.takes_tokens(leaves, self.size):
-                if self.full:
+                if self.full and self.rows != self.size:
                     raise FullGraphRefused(f"`{func.overloadpacket.__name__}` at {_line()} writes token rows into a "
                                            f"static tensor outside a splitting op")
+                if self.full:  # no pad row: the write is exact inside the graph (``CaptureState.full_exact``)
+                    self.state.full_exact = True
+                    return func(*args, **kwargs)
                 return self._run_split(split, leaves, f"`{func._schema.name}`")
         return func(*args, **kwargs)
 

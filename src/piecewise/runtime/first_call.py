@@ -143,6 +143,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
                 drop_sizes_out_of_range(core, arguments)
             except torch.OutOfMemoryError as exc:
                 raise out_of_memory(core, core.ladder.sizes[-1], []) from exc
+            core.full.settle(graph_breaks=bool(core.stats.graph_breaks))
             if core.full.sizes:
                 check_full_padding(core.full, arguments, tokens)
             if use_graphs or core.frontend.runs_every_size:
@@ -263,6 +264,7 @@ def _reset(core: Core) -> None:
     core.state.pool = core.state.workspace_graph = None
     core.state.retired_pools.clear()
     core.state.capture_done = False
+    core.state.cut_runs, core.state.full_exact = 0, False
     core.state.captured_this_size.clear()
     core.ladder.sizes[:] = core.config.sizes  # a size dropped for one front-end is served again
     core.ladder.notes.clear()

@@ -42,6 +42,8 @@ class FullGraphs:
         self.mask: torch.Tensor | None = None
         self.masks: dict[int, torch.Tensor] = {}
         self.positions: torch.Tensor | None = None
+        self.tentative = False
+        """No splitting op: the family waits for ``settle`` (kept only for writes cut out of the pieces)."""
 
     @property
     def sizes(self) -> list[int]:
@@ -66,12 +68,13 @@ class FullGraphs:
         blocking = [info.name for info in infos if info.capturable is False] + unknown
         capturable = [info for info in infos if info.capturable is not False]
         wanted = config.graph_mode
+        self.tentative = wanted is None and not capturable and not blocking
         if wanted is None:
-            wanted = "full_and_piecewise" if capturable and not blocking else "piecewise"
+            wanted = "piecewise" if blocking else "full_and_piecewise"
             stats.graph_mode_reason = (
-                "every splitting op the model calls is capturable" if wanted != "piecewise" else
                 f"splitting ops that cannot run inside a graph: {', '.join(blocking)}" if blocking else
-                "no capturable splitting op")
+                "every splitting op the model calls is capturable" if capturable else
+                "no splitting op: full graphs only where the forward's writes into static tensors are cut out")
         elif wanted != "piecewise" and blocking:
             raise ValueError(
                 f"CaptureConfig(graph_mode={wanted!r}) needs every splitting op to be capturable, but "
@@ -88,10 +91,30 @@ class FullGraphs:
         self.positions = torch.arange(config.max_tokens, device=device)
         self.masks = {size: self.mask[:size] for size in self.sizes}
 
-    def refuse(self, reason: str) -> None:
+    def settle(self, graph_breaks: bool) -> None:
+        """After the first trace and padded runs: writes into static tensors cut out of the pieces
+        (``CaptureState.cut_runs``) make the family exact (each full graph holds them and serves only calls of
+        its size: no pad row to write); without a splitting op, full graphs are kept only for such writes (with
+        none the one piece is the whole forward) and not across Dynamo's graph breaks (Python between graphs)."""
+        state, stats = self.runner.state, self.runner.stats
+        tentative, self.tentative = self.tentative, False
+        if self.mode == "piecewise":
+            return
+        if tentative and (not state.cut_runs or graph_breaks):
+            self.refuse("no splitting op" + (" and graph breaks" if state.cut_runs else ", no write cut out: the "
+                                             "pieces are the whole forward"), warn=False)
+            return
+        if state.cut_runs:
+            state.full_exact = True
+            stats.graph_mode_reason = ("no splitting op" if tentative else stats.graph_mode_reason) + (
+                "; writes into static tensors are cut out of the pieces: each full graph holds them and serves "
+                "only calls of exactly its size (no pad row to write), other calls run piecewise")
+
+    def refuse(self, reason: str, warn: bool = True) -> None:
         """Turn the family off (every call runs piecewise), with one warning saying why."""
-        warnings.warn(f"piecewise: full graphs are off for this model ({reason}); calls run piecewise",
-                      stacklevel=4)
+        if warn:
+            warnings.warn(f"piecewise: full graphs are off for this model ({reason}); calls run piecewise",
+                          stacklevel=4)
         self.mode = self.runner.stats.graph_mode = "piecewise"
         self.runner.stats.graph_mode_reason = reason
         self.runner.stats.full_sizes = []
@@ -104,6 +127,8 @@ class FullGraphs:
         if not self.sizes or tokens > self.sizes[-1]:
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, tokens)]
+        if size != tokens and self.runner.state.full_exact:
+            return None
         ctx = ForwardContext(tokens, size, token_mask=self.masks[size])
         return size if all(info.captures(ctx) for info in self.ops) else None
 
@@ -138,11 +163,12 @@ class FullGraphs:
             arguments = runner.arguments.leading(arguments, rows)
             segment = Segment(state)
             try:
-                self.run(arguments, rows, size, rehearsal=True)  # warm-up at this size, outside the graph
-                staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), rows, size)
-                segment.begin()
-                output = runner.run_call(Call(Phase.PADDED, size, rows, full=True), staged, rehearsal=True,
-                                         token_mask=self.masks[size])
+                for warm_up in (True, False):  # a run at this size outside the graph, then its capture
+                    staged, real = self._stage(arguments, rows, size)
+                    if not warm_up:
+                        segment.begin()
+                    output = runner.run_call(Call(Phase.PADDED, size, real, full=True), staged, rehearsal=True,
+                                             token_mask=self.masks[size])
                 segment.end()  # on failure it has abandoned the capture itself
             except Exception as exc:  # noqa: BLE001 - whatever stops a whole-forward capture turns the family off
                 segment.abandon()
@@ -155,6 +181,18 @@ class FullGraphs:
             self.outputs[size] = map_tensors(output, _compat.non_owning_alias)
             advance()
         runner.stats.full_graphs = len(self.graphs)
+
+    def _stage(self, arguments: dict[str, Any], rows: int, size: int) -> tuple[dict[str, Any], int]:
+        """The first call's ``rows`` staged at ``size``, and the real rows of the run: for an exact family all
+        ``size`` of them, the pad rows copies of the real ones (written where the real ones were)."""
+        runner = self.runner
+        given = runner.arguments.given_tokens(arguments)
+        staged = runner.stager.stage(arguments, given, rows, size)
+        if rows < size and runner.state.full_exact:
+            runner.stager.fill_padding_with_copies(arguments, given, rows, size)
+            rows = size
+        torch.lt(self.positions[:size], rows, out=self.masks[size])
+        return staged, rows
 
     def release(self) -> None:
         self.graphs.clear()
@@ -170,7 +208,7 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
     call, so that a careless op's pad rows leave nothing behind (where a copy of them fits in memory)."""
     runner = full.runner
     size = next((s for s in full.sizes if s > tokens and full.bucket(s) == s), None)
-    if size is None:
+    if size is None or runner.state.full_exact:  # an exact family never runs a padded call
         return
     exact = _unpadded(full, arguments, tokens)
     saved = snapshot(runner, arguments)
