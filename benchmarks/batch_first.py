@@ -1,8 +1,9 @@
 """A gpt-fast-shaped model called as gpt-fast calls it: ids [1, T], positions [T], KV caches in module buffers
 written at ``input_pos``, SDPA over the whole cache with a causal mask row per position. Decode steps (one token)
 and an 8-token extend, eager against ``piecewise.compile(model)`` with default settings (the token dimension of
-``idx`` found by itself) and with ``compiler="eager"``, and for decode gpt-fast's own fast path (the model
-compiled whole with ``torch.compile(mode="reduce-overhead", fullgraph=True)``); outputs compared with eager.
+``idx`` found by itself), with ``compiler="eager"`` and with the breakable front-end's Inductor regions, and for
+decode gpt-fast's own fast path (the model compiled whole with ``torch.compile(mode="reduce-overhead",
+fullgraph=True)``); outputs compared with eager.
 
     PYTHONPATH=src python benchmarks/batch_first.py --out DIR
 """
@@ -84,7 +85,9 @@ def main() -> None:
         runners = {}
         for name, config in (("default", piecewise.CaptureConfig(max_tokens=64, cache_dir=None)),
                              ("compiler='eager'", piecewise.CaptureConfig(max_tokens=64, cache_dir=None,
-                                                                          compiler="eager"))):
+                                                                          compiler="eager")),
+                             ("breakable, compiler='inductor'", piecewise.CaptureConfig(
+                                 max_tokens=64, cache_dir=None, frontend="breakable", compiler="inductor"))):
             started = time.perf_counter()
             runner = piecewise.compile(model, config)
             runner(eight, at[8])  # the first call is a prefill chunk: [1, 8] ids, the tokens in dimension 1

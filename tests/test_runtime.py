@@ -390,7 +390,7 @@ def test_direct_call_that_cannot_check_guards_falls_back_to_dynamo(caplog):
     assert "calls go through Dynamo" in caplog.text
 
 
-def test_guard_filter_keeps_argument_and_attribute_guards_and_drops_module_structure():
+def test_guard_filter_keeps_argument_attribute_and_structure_guards_and_drops_the_modules_tensors():
     from types import SimpleNamespace as Entry
 
     from piecewise._compat import drop_shape_guards
@@ -404,10 +404,13 @@ def test_guard_filter_keeps_argument_and_attribute_guards_and_drops_module_struc
         ("CLOSURE_MATCH", "G['rotary']"): True,
         ("SHAPE_ENV", ""): False,  # one trace serves every token count
         ("TENSOR_MATCH", "self._modules['qkv']._parameters['weight']"): False,  # read by address
-        ("TYPE_MATCH", "self._modules['layers']._modules['3']"): False,  # module structure
-        ("CONSTANT_MATCH", "self._modules['qkv']._parameters['bias']"): False,
+        ("CONSTANT_MATCH", "self._modules['qkv']._parameters['bias']"): False,  # ParameterWatch's
         ("DICT_KEYS_MATCH", "self._modules['layers']._modules"): False,
-        ("EMPTY_NN_MODULE_HOOKS_DICT", "self._modules['qkv']._forward_hooks"): False,
+        ("DUPLICATE_INPUT", "self._modules['lm_head']._parameters['weight']"): False,
+        ("TYPE_MATCH", "self._modules['layers']._modules['3']"): True,  # module structure: a swapped object
+        ("ID_MATCH", "self.mode"): True,  # an enum
+        ("NOT_PRESENT_IN_GENERIC_DICT", "self._modules['head']"): True,  # a forward patched on the instance
+        ("EMPTY_NN_MODULE_HOOKS_DICT", "self._modules['qkv']._forward_hooks"): True,  # a hook registered later
     }
     entries = [Entry(guard_type=kind, name=name) for kind, name in cases]
     assert drop_shape_guards(entries) == list(cases.values())

@@ -138,13 +138,13 @@ def compile_with_inductor(graph: torch.fx.GraphModule, example_inputs: list[Any]
     return compile_fx(graph, example_inputs)
 
 
-# Guards on the module tree's structure and tensors (names under ``self``): the types of submodules and of
-# their dicts, which parameters exist (``_parameters['bias'] is None``), which objects are shared, hook dicts,
-# parameter tensors. Values of plain attributes (EQUALS_MATCH / CONSTANT_MATCH on ``self.eps``) are kept.
-_MODULE_STATE_GUARDS = (
-    "TENSOR_MATCH", "EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "ID_MATCH", "TYPE_MATCH",
-    "DUPLICATE_INPUT", "DICT_KEYS_MATCH",
-)
+# Guards on the module tree's tensors (names under ``self``): parameter and buffer tensors and their slots
+# (``_parameters['bias']``), tied-tensor identity, dict keys. Captured graphs read parameters by address anyway, and
+# ``ParameterWatch`` turns a replaced, moved or removed parameter or buffer into an error. Kept: the types and
+# identities of submodules and of plain attributes (a swapped quantization method object, an enum, a replaced
+# parameterless submodule), attributes set on an instance (a patched ``forward``), hook dicts (a hook registered
+# later) and the values of plain attributes (``self.eps``): a change retraces.
+_MODULE_TENSOR_GUARDS = ("TENSOR_MATCH", "DUPLICATE_INPUT", "DICT_KEYS_MATCH")
 _MODULE_SLOTS = ("._parameters[", "._buffers[")
 
 
@@ -154,21 +154,18 @@ def drop_shape_guards(entries: list[Any]) -> list[bool]:
     Dropped: the shape-env guard (one trace serves every token count; conditions the forward itself
     evaluates are checked against every capture size when the graph is built, see
     ``token_guard_failures``, while inductor's own assumptions such as ``2 <= s0`` don't change results),
-    and guards on the module's own structure and tensors (``_MODULE_STATE_GUARDS``): captured graphs read
-    parameters by address anyway, and these are ~90% of the guards (~1400 of ~1500 on the 16-layer decode
-    model), checked on every call. Kept: guards on forward arguments, closure variables, globals, global
-    state, and the values of the module's plain attributes (a changed ``self.eps`` still retraces).
+    and guards on the module's own tensors (``_MODULE_TENSOR_GUARDS``, anything in a parameter or buffer slot),
+    which ``ParameterWatch`` checks once per change instead of on every call (about a tenth of the guards, which
+    cost half the check). Kept: guards on forward arguments, closure variables, globals, global state, and the
+    module tree's structure and plain attributes (types, identities, instance attributes, hooks, values).
     """
     keep = []
     for entry in entries:
         guard_type = getattr(entry, "guard_type", None)
         name = getattr(entry, "name", "")
         own = name == "self" or name.startswith(("self.", "self[", "L['self']"))
-        module_state = own and (
-            guard_type in _MODULE_STATE_GUARDS
-            or (guard_type == "CONSTANT_MATCH" and any(slot in name for slot in _MODULE_SLOTS))
-        )
-        keep.append(guard_type != "SHAPE_ENV" and not module_state)
+        tensors = own and (guard_type in _MODULE_TENSOR_GUARDS or any(slot in name for slot in _MODULE_SLOTS))
+        keep.append(guard_type != "SHAPE_ENV" and not tensors)
     return keep
 
 

@@ -8,12 +8,14 @@ import time
 
 import torch
 
+from .. import _compat
 from ..capture.compilers import SharedCompiles
 from ..capture.pieces import PieceRunner
 from ..capture.splitop import SplitOpRunner
 from ..capture.state import CaptureState, Phase
 from ..graph.split import split_graph
 from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dims
+from ..graph.writes import writes_to_inputs
 
 
 class GraphRunner:
@@ -32,6 +34,12 @@ class GraphRunner:
         self.state = state
         self.after_break = after_break
         self.graphs_allowed = state.graphs_enabled and not state.capture_done
+        placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
+        written = {placeholder for _, placeholder in writes_to_inputs(graph, placeholders)}
+        self.written = {i: _compat.argument_source(node) for i, node in enumerate(placeholders) if node in written}
+        """Inputs the graph writes in place (a KV cache, also one inside a list or an object): never copied, since
+        the write must reach the caller's tensor; the first call's tensors are the graphs' (``pinned``)."""
+        self.pinned: dict[int, int] = {}
         started = time.perf_counter()
         self.eager_writes = list((eager_writes or {}).values())
         """In-place writes into static tensors cut out of the pieces (see ``checks.static_writes``)."""
@@ -69,9 +77,9 @@ class GraphRunner:
         state = self.state
         if state.call.phase is not Phase.DIRECT:
             if self.external is None:
-                self.external = [
-                    i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.data_ptr() not in state.stable_ptrs
-                ]
+                self._take_inputs(args)
+            if self.pinned:
+                self._check_pinned(args)
             if self.external:
                 args = self._stage_inputs(list(args))
         outputs = self.split_graph(*args)
@@ -81,6 +89,33 @@ class GraphRunner:
                 if isinstance(value, torch.Tensor):
                     state.token_outputs[id(value)] = dim
         return outputs
+
+    def _take_inputs(self, args: tuple) -> None:
+        """At the first call: which inputs are copied into fixed buffers on every call (tensors the runtime does
+        not hold fixed: made by Python between graphs, or found inside an argument), and which written ones are
+        the graphs' from now on."""
+        state = self.state
+        outside = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.data_ptr() not in state.stable_ptrs]
+        self.external = [i for i in outside if i not in self.written or self._carries_rows(i, args[i])]
+        for i in outside:
+            if i in self.written and not self._carries_rows(i, args[i]):
+                self.pinned[i] = args[i].data_ptr()
+                state.stable_ptrs.add(args[i].data_ptr())
+                state.static_storages.add(args[i].untyped_storage().data_ptr())
+
+    def _carries_rows(self, index: int, value: torch.Tensor) -> bool:
+        """An activation Python handed on between graphs (after a graph break), not state: staged."""
+        return self.token_inputs[index] or (self.after_break and value.dim() > 0
+                                            and value.shape[0] == self.state.call.size)
+
+    def _check_pinned(self, args: tuple) -> None:
+        for i, pointer in self.pinned.items():
+            if args[i].data_ptr() != pointer:
+                raise ValueError(
+                    f"piecewise: {self.written[i]} is written in place by the forward (a KV "
+                    f"cache) and is not the tensor it was at the first call. The captured graphs write the first "
+                    f"call's tensor: pass the same tensors on every call (write new contents into them), or compile "
+                    f"again.")
 
     def _stage_inputs(self, args: list) -> list:
         """Copy inputs made by Python between graphs into fixed buffers (one per size for odd shapes)."""

@@ -40,6 +40,13 @@ class Arguments:
         self.first_shapes: dict[str, tuple[int, ...]] = {}
         self.first_signature: dict[str, Any] | None = None
 
+    def forget_first(self) -> None:
+        """After a first call that failed: what it decided by itself is decided again by the next."""
+        if not self.dynamic_given:
+            self.dynamic, self.moved = None, {}
+        self.static_ptrs, self.first_shapes, self.first_signature = {}, {}, None
+        self.late.clear()
+
     def record_first(self, arguments: dict[str, Any]) -> list[torch.Tensor]:
         """Remember the first call's static tensors (returned) and argument shapes."""
         static = []
@@ -164,7 +171,8 @@ class Arguments:
             rows = value.shape[0]
             if count is not None and rows != count:
                 raise ValueError(
-                    f"piecewise: token arguments disagree: {name!r} has {rows} tokens, others {count}"
+                    f"piecewise: token arguments disagree: {name!r} has {rows} tokens, others {count}."
+                    + self.taken_note()
                 )
             count = rows
         if count is None:
@@ -172,6 +180,21 @@ class Arguments:
         if count == 0:
             raise ValueError("piecewise: called with 0 tokens; call with at least one token")
         return count
+
+    def taken_note(self) -> str:
+        """How piecewise chose the token arguments by itself, and how to name them, where it did; '' where the
+        caller named them."""
+        if self.dynamic_given or not self.dynamic or len(self.dynamic) < 2:
+            return ""
+        shapes = ", ".join(f"{name!r} {self.user_shape(name, self.first_shapes[name])}" for name in self.dynamic
+                           if name in self.first_shapes)
+        lead = next(iter(self.dynamic))
+        rows = self.first_shapes.get(lead, (0,))[0]
+        return (f" piecewise took the token arguments by themselves at the first call, every tensor argument with "
+                f"as many rows as {lead!r} ({rows}{', a one-token call' if rows == 1 else ''}): {shapes}. If some "
+                f"of them do not have one row per token (a temperature, a bias, a table), name the token arguments: "
+                f"piecewise.compile(model, dynamic={{{lead!r}: 0, ...}})"
+                + (", or make the first call with more than one token." if rows == 1 else "."))
 
     def rows(self, arguments: dict[str, Any]) -> int:
         """The tokens of a call's arguments as the runtime holds them (the first token argument given)."""

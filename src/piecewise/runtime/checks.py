@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..capture.outputs import output_tensors
+from ..capture.outputs import output_tensors, unmapped_leaves
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused, first_line
@@ -35,6 +35,11 @@ class RandomState:
         self.python = random.getstate()
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def same(self, other: RandomState) -> bool:
+        cuda = (self.cuda is None) == (other.cuda is None) and all(
+            torch.equal(a, b) for a, b in zip(self.cuda or (), other.cuda or ()))
+        return self.python == other.python and torch.equal(self.cpu, other.cpu) and cuda
 
     def restore(self) -> None:
         random.setstate(self.python)
@@ -75,13 +80,7 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
         results.append(core.finish(output, rows, size, clone=True))
     first.restore()
     for index, (zeros, copies) in enumerate(zip(*(output_tensors(r) for r in results[1:3]))):
-        if not isinstance(zeros, torch.Tensor) or zeros.is_complex():
-            continue
-        if zeros.is_floating_point():
-            difference = float((zeros.double() - copies.double()).norm() / zeros.double().norm().clamp_min(1e-30))
-            allowed = 1e-4 if zeros.dtype in (torch.float32, torch.float64) else 1e-2
-        else:  # token ids, counts, masks: equal or not
-            difference, allowed = float((zeros != copies).double().mean()) if zeros.numel() else 0.0, 0.0
+        difference, allowed = _difference(zeros, copies)
         if not difference <= allowed:  # NaN included
             hint, chain = core.frontend.mixing_hint()
             raise ForwardRefused(
@@ -94,6 +93,67 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
                 f"real rows, or move it out of forward.",
                 "token_mixing", chain,
             )
+    if not core.frontend.runs_every_size:  # breakable: after its captures, which tell a branch on the count
+        check_count(core, arguments)
+
+
+def _difference(got: Any, want: Any) -> tuple[float, float]:
+    """(relative difference, what is allowed) of two outputs of a padded run: floating tensors by norm, others
+    (token ids, counts, masks, Python numbers) equal or not."""
+    if not isinstance(want, torch.Tensor):
+        return (0.0 if got == want else 1.0), 0.0
+    if want.is_complex() or not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return (0.0 if want.is_complex() else 1.0), 0.0
+    if want.is_floating_point():
+        difference = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+        return difference, 1e-4 if want.dtype in (torch.float32, torch.float64) else 1e-2
+    return (float((got != want).double().mean()) if want.numel() else 0.0), 0.0
+
+
+def check_count(core: Core, arguments: dict[str, Any]) -> None:
+    """The first call's leading rows padded to two sizes must give the same real rows: a forward that takes the
+    token count for a value (``x / x.shape[0]``, ``arange(T)`` counted from the end, the count returned or kept)
+    would see the padded count on every padded call. Not asked of a forward that draws random numbers (their
+    layout follows the size)."""
+    sizes = [size for size in core.ladder.sizes if size >= 2]
+    if len(sizes) < 2:
+        return
+    given = core.arguments.given_tokens(arguments)
+    rows = min(arguments[given[0]].shape[0], sizes[0] - 1)
+    first = RandomState()
+    outputs = []
+    for size in sizes[:2]:
+        first.restore()
+        staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
+        output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
+        outputs.append(core.finish(output, rows, size, clone=True))
+        if len(outputs) == 1 and not first.same(RandomState()):
+            first.restore()
+            return
+    first.restore()
+    for index, (want, got) in enumerate(zip(*(_compared(output) for output in outputs))):
+        difference, allowed = _difference(got, want)
+        if not difference <= allowed:
+            raise ForwardRefused(
+                f"piecewise: the forward takes the token count for a value: with {rows} real token(s), output "
+                f"{index} ({_what(want)}) differs by {difference:.1e} (relative) between padding to {sizes[0]} and "
+                f"to {sizes[1]} tokens. Every call is padded to a capture size, so such code sees the padded count: "
+                f"a division by x.shape[0], arange(T) counted from the end, the count returned or kept, or rows "
+                f"read at an offset from the end (x.roll(k, 0), x[-k]). Give the count as an argument (a tensor), "
+                f"or make that code a splitting op (piecewise.opaque_op(..., split=True)), which sees the real "
+                f"count and rows.",
+                "token_mixing", [])
+
+
+def _compared(output: Any) -> list[Any]:
+    """An output's tensors and its Python numbers, in order."""
+    numbers = [value for _, value in unmapped_leaves(output) if isinstance(value, (int, float)) and
+               not isinstance(value, bool)]
+    return [*output_tensors(output), *numbers]
+
+
+def _what(value: Any) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"the number {value!r}"
 
 
 def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: int, arguments: dict[str, Any],
@@ -233,6 +293,11 @@ class ModuleState:
                 found.append(f"`{_label(*place)}`{values}")
         self.fingerprints = now
         return found
+
+    def same(self, other: RandomState) -> bool:
+        cuda = (self.cuda is None) == (other.cuda is None) and all(
+            torch.equal(a, b) for a, b in zip(self.cuda or (), other.cuda or ()))
+        return self.python == other.python and torch.equal(self.cpu, other.cpu) and cuda
 
     def restore(self) -> None:
         """Put back each attribute as it was when this was taken (containers' contents too)."""

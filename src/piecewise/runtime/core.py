@@ -99,8 +99,10 @@ class Core:
             if not isinstance(value, torch.Tensor):
                 return value
             dim = dims.get(id(value), _UNKNOWN)
-            if dim is _UNKNOWN:  # no front-end knowledge (Python after a graph break): the padded length
-                dim = 0 if value.dim() > 0 and value.shape[0] == size else None
+            if dim is _UNKNOWN:  # no front-end knowledge (Python after a graph break): the padded length, unless
+                # it is the model's own tensor or a static argument (a parameter returned as it is)
+                dim = 0 if value.dim() > 0 and value.shape[0] == size and \
+                    value.untyped_storage().data_ptr() not in self.state.static_storages else None
             if dim is not None and tokens != size:
                 value = value.narrow(dim, 0, tokens)
             return value.clone() if clone else value

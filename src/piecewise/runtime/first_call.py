@@ -22,7 +22,7 @@ from ..frontends.dynamo_trace import DynamoBlocked
 from ..opaque import check_fakes, opaque_call_counts, resolve_splitting_ops
 from .bounds import drop_sizes_out_of_range
 from .capture_sizes import capture_all, out_of_memory
-from .checks import (ModuleState, RandomState, check_one_token, check_padding, refuse_if_rows_refused,
+from .checks import (ModuleState, RandomState, check_count, check_one_token, check_padding, refuse_if_rows_refused,
                      warn_changed_state)
 from .core import Core
 from .full_graphs import check_full_padding
@@ -148,6 +148,8 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
                 check_full_padding(core.full, arguments, tokens)
             if use_graphs or core.frontend.runs_every_size:
                 capture_all(core, arguments, graphs=use_graphs)
+            if core.frontend.runs_every_size:
+                check_count(core, arguments)
             if not core.frontend.replays_python:
                 warn_changed_state(changed)
             taken = candidate

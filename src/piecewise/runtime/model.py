@@ -19,7 +19,8 @@ from ..capture.buffers import storage_alias
 from ..capture.segment import runner_call
 from ..capture.state import Call, Phase
 from ..config import CaptureConfig
-from ..errors import BlockerKind, ForwardRefused
+from ..errors import (BlockerKind, CaptureBlockedError, CaptureFailed, CaptureOutOfMemory, FakeMismatch,
+                      ForwardRefused, VerificationError, first_line)
 from ..opaque import resolve_splitting_ops
 from . import first_call, search
 from .core import Core
@@ -92,12 +93,26 @@ class PiecewiseModel(Core):
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
         try:
+            self._prepare_with_hints(arguments)
+        except BaseException:
+            self.arguments.forget_first()  # the next call is a first call again: its arguments decide afresh
+            raise
+
+    def _prepare_with_hints(self, arguments: dict[str, Any]) -> None:
+        try:
             self._prepare_first(arguments)
         except ForwardRefused as exc:
             hinted = _with_hints(exc, arguments, self.arguments)
             if hinted is exc:
                 raise
             raise hinted.with_traceback(exc.__traceback__) from exc.__cause__
+        except (ValueError, TypeError, IndexError, RuntimeError) as exc:  # the model's own error on rows piecewise made
+            note = self.arguments.taken_note()
+            if not note or min(self.arguments.first_shapes.get(n, (0,))[0] for n in self.arguments.dynamic) != 1 \
+                    or isinstance(exc, _PIECEWISE_ERRORS):
+                raise
+            raise ForwardRefused(f"piecewise: the first call failed: {first_line(exc)}.{note}", "token_layout",
+                                 []) from exc
 
     def _prepare_first(self, arguments: dict[str, Any]) -> None:
         auto = self.config.compiler == "auto"
@@ -203,6 +218,7 @@ def compile(
     return PiecewiseModel(model, config if config is not None else CaptureConfig(), dynamic)
 
 
+_PIECEWISE_ERRORS = (CaptureBlockedError, CaptureFailed, CaptureOutOfMemory, FakeMismatch, VerificationError)
 _ABOUT_ROWS = {BlockerKind.TOKEN_MIXING, BlockerKind.TOKEN_BRANCH, BlockerKind.TOKEN_LAYOUT}
 """Refusals about which rows are tokens: where ids were taken batch-first, the other reading is worth naming."""
 

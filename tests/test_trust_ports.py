@@ -1,0 +1,246 @@
+"""Never silently wrong, continued: models as vLLM, SGLang and kernel-library users write them. KV caches inside a
+list or an object, a module attribute swapped for another object, the token count used as a value, the model's own
+tensors returned, a first call of one token. Each is right (equal to eager), or refused naming the cause."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import piecewise
+from piecewise.errors import ForwardRefused
+from piecewise.models.attention import attention
+from piecewise.models.llama import LlamaConfig, TinyLlama, rotary_tables
+
+FRONTENDS = ["dynamo", "breakable"]
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     intermediate_size=64, max_seq_len=64)
+
+
+class ListLlama(TinyLlama):
+    """vLLM v0: ``forward(input_ids, positions, kv_caches)``, one cache tensor per layer in a list."""
+
+    def forward(self, input_ids, positions, kv_caches):
+        x = self.embed(input_ids)
+        rotary = rotary_tables(positions, self.config.head_dim, self.config.rope_theta)
+        for index, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            q, k, v = layer.pre_attention(x, rotary)
+            x = layer.post_attention(x, attention(q, k, v, positions, cache[None], 0))
+        return self.lm_head(self.norm(x))
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    kv_pool: list
+
+
+class ObjectLlama(ListLlama):
+    """SGLang: the caches reach forward inside an object."""
+
+    def forward(self, input_ids, positions, forward_batch):
+        return super().forward(input_ids, positions, forward_batch.kv_pool)
+
+
+def caches():
+    return [torch.zeros(2, CONFIG.max_seq_len, CONFIG.num_kv_heads, CONFIG.head_dim) for _ in range(2)]
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("holder", ["list", "object"])
+def test_kv_caches_inside_a_list_or_an_object_get_every_write(frontend, holder):
+    """A prompt and decode steps: each step attends to the rows the steps before wrote into the caller's caches."""
+    torch.manual_seed(0)
+    model = (ListLlama if holder == "list" else ObjectLlama)(CONFIG).eval()
+    wrap = list if holder == "list" else ForwardBatch
+    ours, theirs = caches(), caches()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    steps = [(torch.tensor([11, 22, 33, 44, 55]), torch.arange(5))]
+    steps += [(torch.tensor([60 + s]), torch.tensor([5 + s])) for s in range(4)] + [(torch.arange(3), torch.arange(9, 12))]
+    with torch.no_grad():
+        for ids, positions in steps:
+            got = runner(ids, positions, wrap(list(ours)))  # a new holder each call, the same tensors
+            torch.testing.assert_close(got, model(ids, positions, wrap(list(theirs))))
+            for a, b in zip(ours, theirs):
+                torch.testing.assert_close(a, b)
+
+
+def test_a_written_cache_inside_a_list_that_is_another_tensor_later_is_refused_by_name():
+    """The graphs write the first call's tensor: another one later is an error naming the element (Dynamo; breakable
+    runs such a call eagerly, with a warning)."""
+    torch.manual_seed(0)
+    model = ListLlama(CONFIG).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo", cache_dir=None))
+    with torch.no_grad():
+        runner(torch.arange(4), torch.arange(4), caches())
+        with pytest.raises(ValueError, match=r"`kv_caches\[0\]` is written in place by the forward.*same tensors"):
+            runner(torch.arange(2), torch.arange(2), caches())
+
+
+class Relu:
+    def apply(self, x):
+        return torch.relu(x)
+
+
+class Gelu:
+    def apply(self, x):
+        return F.gelu(x)
+
+
+class Mode(enum.Enum):
+    PLAIN = 1
+    HALVED = 2
+
+
+class Strategies(nn.Module):
+    """vLLM's ``layer.quant_method``: a helper object the forward calls; an enum flag; a parameterless submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(16, 16), nn.Linear(16, 8)
+        self.method, self.mode, self.act = Relu(), Mode.PLAIN, nn.SiLU()
+
+    def forward(self, x):
+        h = self.act(self.method.apply(self.lin(x)))
+        if self.mode is Mode.HALVED:
+            h = h * 0.5
+        return self.head(h)
+
+
+@pytest.mark.parametrize("change", ["method object", "enum", "patched forward", "parameterless submodule"])
+def test_a_module_attribute_swapped_for_another_object_is_traced_again_not_ignored(change):
+    """A replaced submodule is refused (its parameters could have changed too); other objects retrace."""
+    torch.manual_seed(0)
+    model = Strategies().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo", cache_dir=None))
+    x = torch.randn(5, 8 * 2)
+    with torch.no_grad():
+        runner(x)
+        if change == "method object":
+            model.method = Gelu()
+        elif change == "enum":
+            model.mode = Mode.HALVED
+        elif change == "patched forward":
+            model.head.forward = lambda h: -F.linear(h, model.head.weight, model.head.bias)
+        else:
+            model.act = nn.GELU()
+            with pytest.raises(ValueError, match="submodule `act` was replaced by a new object"):
+                runner(x)
+            return
+        with pytest.warns(UserWarning, match="traced again"):
+            got = runner(x)
+        torch.testing.assert_close(got, model(x))
+
+
+class CountAsValue(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(8, 8)
+
+    def forward(self, x):
+        count = x.shape[0]
+        if self.kind == "mean by the count":
+            return self.lin(x) / count
+        if self.kind == "distance to the last token":
+            return self.lin(x) * (count - 1 - torch.arange(count, dtype=x.dtype))[:, None]
+        if self.kind == "count as a feature":
+            return self.lin(x + torch.full((count, 1), count, dtype=x.dtype))
+        return self.lin(x), count
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("kind", ["mean by the count", "distance to the last token", "count as a feature",
+                                  "count returned"])
+def test_the_token_count_taken_for_a_value_is_refused(frontend, kind):
+    """Padded, such code sees the padded count; the padding check pads the same rows to two sizes."""
+    runner = piecewise.compile(CountAsValue(kind).eval(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
+                                                                                  cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"takes the token count for a value.*between padding "
+                                                              r"to \d+ and to \d+ tokens") as info:
+        runner(torch.randn(5, 8))
+    assert info.value.kind == "token_mixing"
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + 0.01 * torch.randn_like(x)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_forward_that_draws_random_numbers_is_not_taken_for_one_that_uses_the_count(frontend):
+    runner = piecewise.compile(Noisy().eval(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
+                                                                       cache_dir=None))
+    with torch.no_grad():
+        assert runner(torch.randn(5, 8)).shape == (5, 8)
+
+
+class ReturnsOwnTensors(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("class_bias", torch.randn(8))
+
+    def forward(self, x):
+        return {"hidden": self.lin(x), "class_bias": self.class_bias, "lin_bias": self.lin.bias}
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_the_models_own_tensors_returned_are_never_cut_to_the_token_count(frontend):
+    """A buffer of 8 entries returned at 5 tokens padded to 8: whole, not cut to 5."""
+    model = ReturnsOwnTensors().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    with torch.no_grad():
+        for tokens in (3, 5, 8):
+            got, want = runner(torch.randn(tokens, 8)), model(torch.randn(tokens, 8))
+            assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}, tokens
+            torch.testing.assert_close(got["class_bias"], model.class_bias)
+
+
+class Sampler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 8), nn.Linear(8, 16)
+
+    def forward(self, ids, temperature, logit_bias):
+        return (self.head(self.embed(ids)) + logit_bias) / temperature
+
+
+@pytest.mark.parametrize("frontend", ["auto", "breakable"])
+def test_a_one_token_first_call_that_takes_other_arguments_for_token_arguments_says_how_to_name_them(frontend):
+    """At one token every [1]-shaped argument looks like a token argument (a temperature [1], a bias [1, V]). The
+    refusal says so and names ``dynamic=``; the next call decides the token arguments afresh."""
+    model = Sampler().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    temperature, bias = torch.tensor([0.7]), torch.zeros(1, 16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ForwardRefused, match=r"a one-token call\): .*'temperature' \(1,\).*dynamic=\{'ids': 0"):
+            runner(torch.arange(1), temperature, bias)
+        ids = torch.arange(4)
+        torch.testing.assert_close(runner(ids, temperature, bias), model(ids, temperature, bias))
+    assert runner.token_arguments == {"ids": 0}
+
+
+class Table(nn.Module):
+    def forward(self, x, table):
+        return x * 2, table + 1
+
+
+def test_token_arguments_that_disagree_later_say_how_they_were_taken():
+    """A table whose length was the first call's token count was taken for a token argument."""
+    runner = piecewise.compile(Table(), piecewise.CaptureConfig(max_tokens=16, cache_dir=None))
+    table = torch.arange(8.0)
+    with torch.no_grad():
+        runner(torch.randn(8, 4), table)
+        with pytest.raises(ValueError, match=r"disagree.*took the token arguments by themselves.*'table' \(8,\)"
+                                             r".*dynamic=\{'x': 0"):
+            runner(torch.randn(3, 4), table)
