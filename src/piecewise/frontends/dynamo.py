@@ -86,7 +86,8 @@ class DynamoFrontend:
                 raise state_guard_refusal(self.tracer.method) from None
             raise ValueError(
                 f"piecewise: the model was traced again until Dynamo's recompile limit ({change}): call it with "
-                f"the argument types it was captured with, or compile a separate runner for each variant"
+                f"the argument types and Python values it was captured with, or compile a separate runner for each "
+                f"variant"
             ) from None
         if self.traced_in_call:
             self.stats.traces += 1
@@ -174,11 +175,15 @@ class DynamoFrontend:
                 raise state_guard_refusal(self.tracer.method)
             if change == STATE_CHANGE:
                 guard, _ = _compat.last_guard_failure(self.tracer.method) or (None, None)
+                argument = re.match(r"L\['(\w+)'\]", guard or "")
+                if argument and argument[1] != "self":
+                    change = f"a guard on what argument {argument[1]!r} holds failed"
                 change += f": `{guard}`" if guard else ""
             warnings.warn(
                 f"piecewise: the model was traced again after the first trace ({change}); the new graph runs "
-                f"without CUDA graphs. Call the model with the argument types it was captured with, or compile a "
-                f"separate runner for this variant.",
+                f"without CUDA graphs. Call the model with the argument types and Python values (numbers, flags, "
+                f"the fields of objects passed in) it was captured with, or compile a separate runner for this "
+                f"variant.",
                 stacklevel=7,
             )
             return
