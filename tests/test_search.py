@@ -234,3 +234,51 @@ def test_a_batch_first_model_is_searched_through_its_tokens_first_view(measured,
             torch.testing.assert_close(runner(ids[:, start:stop], positions), reference(ids[:, start:stop], positions))
     assert {c["compiler"] for c in runner.stats["candidates"]} == {"eager", "inductor"}
     assert runner.token_arguments == {"idx": 1, "input_pos": 0}
+
+
+class BroadcastWrite(torch.nn.Module):
+    """``cache[positions] = k``: Dynamo's trace assumes more than one token (a broadcasting check), so it pads
+    one-token calls to 2; the breakable front-end serves one token."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(32, 8))
+
+    def forward(self, x, positions):
+        k = self.lin(x)
+        self.cache[positions] = k
+        return k + self.cache[positions].sum(-1, keepdim=True)
+
+
+def test_a_trace_that_pads_one_token_to_two_makes_inductor_on_breakable_a_candidate(measured, monkeypatch, tmp_path):
+    """Timed at the same counts (one token as each serves it), Inductor on breakable wins here and is taken, then
+    recorded with its front-end: a later process prepares it alone."""
+    times = {("eager", "breakable"): 3.0, ("eager", "dynamo"): 3.0, ("inductor", "dynamo"): 2.0,
+             ("inductor", "breakable"): 1.0}
+    timed = []
+
+    def fake(trial, arguments, **_):
+        timed.append((trial.config.compiler, trial.stats.frontend))
+        return {1: times[timed[-1]], 8: times[timed[-1]]}
+
+    monkeypatch.setattr(search, "_timed", fake)
+    config = piecewise.CaptureConfig(max_tokens=8, compiler="auto", cache_dir=tmp_path)
+    for process in ("first", "later"):
+        model = BroadcastWrite().eval()
+        reference = BroadcastWrite().eval()
+        reference.load_state_dict(model.state_dict())
+        runner = piecewise.compile(model, config)
+        with torch.no_grad():
+            for n, offset in ((5, 0), (1, 5), (3, 6)):
+                x, positions = torch.randn(n, 8), torch.arange(n) + offset
+                torch.testing.assert_close(runner(x, positions), reference(x, positions))
+                torch.testing.assert_close(model.cache, reference.cache)
+        labels = [(c["compiler"], c.get("frontend")) for c in runner.stats["candidates"]]
+        if process == "first":
+            assert labels == [("eager", None), ("inductor", None), ("inductor", "breakable")]
+            assert "-> inductor on breakable" in runner.stats["frontend_reason"]
+        else:
+            assert labels == [("inductor", "breakable")]
+            assert "recorded in the cache by an earlier first call" in runner.stats["frontend_reason"]
+        assert runner.config.compiler == "inductor" and runner.stats["frontend"] == "breakable"

@@ -2,8 +2,9 @@
 
 Each candidate compiler (``eager``, then ``inductor``) gets a runner of its own on the same model, prepared on the
 first call's arguments (its front-end chosen as ``frontend`` says, its checks run, every size captured), then
-timed at a few representative token counts (1, 8, 32 and the top of the graphs, where captured) with calls made
-from the first call's rows. The calls are rehearsals (``piecewise.context().rehearsal``): splitting ops that keep
+timed at a few representative token counts (1, 8, 32 and the top of the graphs) with calls made from the first
+call's rows. Where Inductor pieces on the Dynamo front-end pad one-token calls to 2 (a trace that holds for more
+than one token only), Inductor on the breakable front-end is a third candidate: it serves one token. The calls are rehearsals (``piecewise.context().rehearsal``): splitting ops that keep
 state across calls skip them; the state the calls could write (static tensor arguments, the model's buffers) is
 copied after the first candidate's first call and put back after each candidate's timing calls (sizes above the
 first call's count are timed only where that copy fits, on every rank: their repeated rows may write rows the first
@@ -65,23 +66,25 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     runner.arguments.token_count(arguments)
     store, key, described, entry = cache.open_entry(runner.model, config, list(runner.arguments.dynamic))
     recorded = entry.get("compiler") if entry is not None else None
-    index = CANDIDATES.index(recorded) + 1 if recorded in CANDIDATES else 0
+    forced = entry.get("candidate_frontend") if entry is not None else None
+    index = CANDIDATES.index(recorded) + 1 + 2 * (forced == "breakable") if recorded in CANDIDATES else 0
     highest, lowest = _agreed([index, -index])
     if highest != -lowest:  # ranks whose caches differ: every rank searches (their first calls meet)
         recorded = None
     if recorded in CANDIDATES:
-        order, why = (recorded,), "recorded in the cache by an earlier first call"
+        order, why = [(recorded, forced)], "recorded in the cache by an earlier first call"
     else:
-        order, why = CANDIDATES, ""
+        order, why = [(name, None) for name in CANDIDATES], ""
     rows, spent, failures = _trials(runner, arguments, order, config)
     if not any("runner" in r for r in rows) and recorded is not None:  # the recorded one fails now
-        order, why = CANDIDATES, f"the recorded {recorded!r} failed now: {rows[0].get('error', '')}"
+        order, why = [(name, None) for name in CANDIDATES], \
+            f"the recorded {_label(rows[0])!r} failed now: {rows[0].get('error', '')}"
         rows, spent, failures = _trials(runner, arguments, order, config)
     measured = [r for r in rows if "runner" in r]
     if not measured:  # no candidate takes the model: the first one's refusal names what to fix
         raise failures[0]
     if len(rows) < len(order) and not why:  # stopped before the last candidate
-        why = f"compile budget {config.compile_budget_s:.0f} s spent after " + ", ".join(r["compiler"] for r in rows)
+        why = f"compile budget {config.compile_budget_s:.0f} s spent after " + ", ".join(_label(r) for r in rows)
     common = set.intersection(*(set(r["ms"]) for r in measured)) if all(r["ms"] for r in measured) else set()
     totals = _scores(rows, common)
     chosen = measured[0]
@@ -96,8 +99,8 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     table = [{k: v for k, v in row.items() if k != "runner"} for row in rows]
     if not why or why.startswith("the recorded"):
         why = (why + "; " if why else "") + "measured: " + "; ".join(
-            f"{r['compiler']} " + (", ".join(f"{n}: {ms:.3f} ms" for n, ms in r["ms"].items()) if "ms" in r
-                                   else r["error"]) for r in rows) + f" -> {chosen['compiler']}" + (
+            f"{_label(r)} " + (", ".join(f"{n}: {ms:.3f} ms" for n, ms in r["ms"].items()) if "ms" in r
+                               else r["error"]) for r in rows) + f" -> {_label(chosen)}" + (
             f" (Inductor is taken only when more than {MARGIN:.0%} faster)" if chosen is measured[0] and any(
                 totals[id(r)] < totals[id(chosen)] for r in measured[1:]) else "")
     if not common and len(measured) > 1:
@@ -111,10 +114,11 @@ def choose(runner, args: tuple, kwargs: dict) -> None:
     runner.stats.candidates = table
     runner.stats.frontend_reason = (runner.stats.frontend_reason + "; " if runner.stats.frontend_reason else "") + \
         f"compiler {chosen['compiler']!r} ({why})"
-    logger.info("piecewise: compiler %r (%s)", chosen["compiler"], why)
+    logger.info("piecewise: compiler %r (%s)", _label(chosen), why)
     if store is not None and (common or len(measured) == 1):  # a choice measured on nothing is not recorded
         store.save(key, described, {"frontend": runner.stats.frontend, "options": {},
                                     "compiler": chosen["compiler"], "candidates": table,
+                                    "candidate_frontend": chosen.get("frontend"),
                                     "graph_mode": runner.stats.graph_mode,
                                     "frontend_reason": runner.stats.frontend_reason, "first_call_s": spent})
 
@@ -150,20 +154,36 @@ def _scores(rows: list[dict], sizes: set) -> dict[int, float]:
             if "runner" in row else math.inf for t, row in zip(times, rows)}
 
 
-def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[list, float, list]:
-    """Each compiler of ``order`` prepared and timed while the first calls' seconds stay within the budget:
-    (rows of the table, seconds spent, the exceptions of those that failed)."""
+def _label(row: dict) -> str:
+    return row["compiler"] + (f" on {row['frontend']}" if row.get("frontend") else "")
+
+
+def _one_token_alternative(trial, compiler: str, config, order: list) -> tuple[str, str] | None:
+    """Inductor pieces on the Dynamo front-end whose trace pads one-token calls to 2 (it holds for more than one
+    token only): the breakable front-end's Inductor regions serve one token (a decode step, and its exact full
+    graph), so they are a candidate too, with ``frontend="auto"``."""
+    alternative = (compiler, "breakable")
+    if config.frontend != "auto" or config.strict or compiler == "eager" or alternative in order or len(order) < 2:
+        return None
+    return alternative if trial.stats.frontend == "dynamo" and trial.ladder.notes else None
+
+
+def _trials(runner, arguments: dict[str, Any], order: list, config) -> tuple[list, float, list]:
+    """Each (compiler, front-end or None: as ``config.frontend`` says) of ``order`` prepared and timed while the
+    first calls' seconds stay within the budget: (rows of the table, seconds spent, the exceptions of those that
+    failed). ``order`` grows by ``_one_token_alternative``."""
     from .full_graphs import restore, snapshot
 
     rows, spent, failures = [], 0.0, []
     saved, fits = None, False
-    for compiler in order:
+    order = list(order)
+    for compiler, frontend in order:
         restore(saved)  # each later candidate starts from the state the first one's first call left
         spent_all = any("runner" in r for r in rows) and spent > config.compile_budget_s
         if rows and _agreed([float(spent_all)])[0]:  # any rank past the budget stops every rank
             break
-        trial = type(runner)(runner.model, dataclasses.replace(config, compiler=compiler),
-                             dict(runner.arguments.dynamic))
+        given = dataclasses.replace(config, compiler=compiler, **({"frontend": frontend} if frontend else {}))
+        trial = type(runner)(runner.model, given, dict(runner.arguments.dynamic))
         trial.arguments.dynamic_given = runner.arguments.dynamic_given  # found, not given: later tensors too
         started = time.perf_counter()
         try:
@@ -178,7 +198,7 @@ def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[li
             _agreed([1.0])
         if error is not None:
             failures.append(error)
-            rows.append({"compiler": compiler,
+            rows.append({"compiler": compiler, **({"frontend": frontend} if frontend else {}),
                          "error": first_line(error, 160)})
             continue
         first = time.perf_counter() - started
@@ -190,17 +210,24 @@ def _trials(runner, arguments: dict[str, Any], order: tuple, config) -> tuple[li
             fits = not _agreed([float(saved is None)])[0]
         ms = _timed(trial, arguments, beyond=fits) if len(order) > 1 else {}
         restore(saved)
-        rows.append({"compiler": compiler, "first_call_s": first, "ms": ms, "runner": trial})
+        rows.append({"compiler": compiler, **({"frontend": frontend} if frontend else {}), "first_call_s": first,
+                     "ms": ms, "runner": trial})
+        alternative = _one_token_alternative(trial, compiler, config, order)
+        if _agreed([float(alternative is not None)])[0]:  # every rank tries the same candidates
+            order.append((compiler, "breakable"))
     return rows, spent, failures
 
 
 def _timed(trial, arguments: dict[str, Any], beyond: bool, rounds: int = 5,
            iters: int = 10) -> dict[int, float]:
-    """ms per call at each representative size the trial captured, calls made from the first call's rows; sizes
-    above the first call's count (its rows repeated, which may write state the first call did not: another
-    sequence's cache rows where the row is the sequence) only where ``beyond``, the state being put back after."""
+    """ms per call at each representative token count up to the top of the graphs (1, 8, 32 and the top: a count
+    the trial pads, one token where its trace holds for more only, is timed as it serves it), calls made from the
+    first call's rows; counts above the first call's (its rows repeated, which may write state the first call did
+    not: another sequence's cache rows where the row is the sequence) only where ``beyond``, the state being put
+    back after."""
     tokens = trial.arguments.rows(arguments)
-    sizes = sorted({s for s in (*SIZES, trial.ladder.sizes[-1]) if s in trial.ladder.sizes and (beyond or s <= tokens)})
+    top = trial.ladder.sizes[-1]
+    sizes = sorted({s for s in (*SIZES, top) if s <= top and (beyond or s <= tokens)})
     given = trial.arguments.given_tokens(arguments)
     times = {}
     kept = trial.last_arguments, dict(trial.stats)
