@@ -701,7 +701,7 @@ def test_a_forward_that_mixes_token_rows_is_refused_with_the_line(how, line):
                 runner(torch.randn(5, 8))
             message = str(failure.value)
             assert "the forward mixes tokens: with 1 real token(s) padded to 2" in message
-            assert f"state_models.py:" in message and f"(`{line}`)" in message
+            assert "state_models.py:" in message and f"(`{line}`)" in message
             assert "piecewise.opaque_op(..., split=True)" in message
 
 

@@ -244,3 +244,84 @@ def test_token_arguments_that_disagree_later_say_how_they_were_taken():
         with pytest.raises(ValueError, match=r"disagree.*took the token arguments by themselves.*'table' \(8,\)"
                                              r".*dynamic=\{'x': 0"):
             runner(torch.randn(3, 4), table)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_kv_caches_that_are_views_of_one_tensor_get_every_write(frontend):
+    """One allocation, a view per layer (``big.unbind(0)``), as engines set caches up."""
+    torch.manual_seed(0)
+    model = ListLlama(CONFIG).eval()
+    shape = (2, 2, CONFIG.max_seq_len, CONFIG.num_kv_heads, CONFIG.head_dim)
+    ours, theirs = torch.zeros(shape), torch.zeros(shape)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    with torch.no_grad():
+        for ids, positions in [(torch.arange(5), torch.arange(5)), *((torch.tensor([7 + s]), torch.tensor([5 + s]))
+                                                                    for s in range(3)), (torch.arange(3), torch.arange(8, 11))]:
+            got = runner(ids, positions, list(ours.unbind(0)))
+            torch.testing.assert_close(got, model(ids, positions, list(theirs.unbind(0))))
+            torch.testing.assert_close(ours, theirs)
+
+
+class StateWrite(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(8, 8)
+        self.register_buffer("buf", torch.zeros(64, 8))
+        self.register_buffer("length", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, positions):
+        h = self.lin(x)
+        if self.kind == "length from the last position":  # gpt-fast-style sequence length
+            self.buf.index_copy_(0, positions, h)
+            self.length.copy_(positions[-1] + 1)
+            return h + (self.buf * (torch.arange(64) < self.length).float()[:, None]).sum(0)
+        out = h + self.buf.sum(0)  # read before the write: only the state sees the rows mixed
+        self.buf.index_copy_(0, positions, h.flip(0) if self.kind == "rows flipped" else h - h.mean(0))
+        return out
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("kind", ["length from the last position", "rows flipped", "rows centred"])
+def test_token_rows_mixed_into_state_the_forward_writes_are_refused(frontend, kind):
+    """Padding reaching a write (and not the outputs of the call) would corrupt the state on every padded call:
+    the padding check compares the state the two padded runs write, and pads with the last rows first (a first
+    row at position 0 looks like zero padding)."""
+    runner = piecewise.compile(StateWrite(kind).eval(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
+                                                                                cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"mixes tokens into state it writes.*buffer `(buf|length)`"):
+        runner(torch.randn(5, 8), torch.arange(5))
+
+
+class HeldCaches(nn.Module):
+    """Caches in a dict and a tuple, written in plain code (cut out of the pieces)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+
+    def forward(self, x, positions, caches, pair):
+        k, v = self.lin(x).chunk(2, -1)
+        caches["k"].index_copy_(0, positions, k)
+        pair[0].index_copy_(0, positions, v)
+        return (x @ caches["k"].T).softmax(-1) @ pair[0]
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_caches_in_a_dict_or_a_tuple_written_in_plain_code_are_served(frontend):
+    torch.manual_seed(0)
+    model = HeldCaches().eval()
+    ours, theirs = (torch.zeros(32, 8), torch.zeros(32, 8)), (torch.zeros(32, 8), torch.zeros(32, 8))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    start = 0
+    with torch.no_grad():
+        for count in (5, 1, 3, 8, 2):
+            x, positions = torch.randn(count, 8), torch.arange(start, start + count)
+            got = runner(x, positions, {"k": ours[0]}, (ours[1],))
+            torch.testing.assert_close(got, model(x, positions, {"k": theirs[0]}, (theirs[1],)))
+            torch.testing.assert_close(ours, theirs)
+            start += count
+
+
+def test_a_forward_that_names_no_argument_says_what_to_compile():
+    with pytest.raises(ValueError, match=r"forward of DataParallel names no argument.*model\.module, a Linear"):
+        piecewise.compile(nn.DataParallel(nn.Linear(4, 4)))

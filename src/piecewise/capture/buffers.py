@@ -93,10 +93,11 @@ class InputStager:
         return staged
 
     def fill_padding_with_copies(self, arguments: dict[str, Any], names: list[str], rows: int, size: int) -> None:
-        """Overwrite the pad rows of the staged ``names`` with copies of the real rows (the padding check)."""
+        """Overwrite the pad rows of the staged ``names`` with copies of the real rows, the last first (the padding
+        check: a first row often holds what zero padding does, position 0)."""
         for name in names:
             staging = self.buffers[self.key(name, arguments[name])]
-            source = torch.arange(size - rows, device=staging.buffer.device) % rows
+            source = rows - 1 - torch.arange(size - rows, device=staging.buffer.device) % rows
             staging.buffer[rows:size] = staging.buffer[source]
             staging.dirty = max(staging.dirty, size)
 

@@ -15,7 +15,7 @@ from ..capture.splitop import SplitOpRunner
 from ..capture.state import CaptureState, Phase
 from ..graph.split import split_graph
 from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dims
-from ..graph.writes import writes_to_inputs
+from ..graph.writes import inputs_sharing_memory, writes_to_inputs
 
 
 class GraphRunner:
@@ -36,6 +36,7 @@ class GraphRunner:
         self.graphs_allowed = state.graphs_enabled and not state.capture_done
         placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
         written = {placeholder for _, placeholder in writes_to_inputs(graph, placeholders)}
+        written |= set(inputs_sharing_memory(placeholders, written))  # views of one cache (``unbind`` per layer)
         self.written = {i: _compat.argument_source(node) for i, node in enumerate(placeholders) if node in written}
         """Inputs the graph writes in place (a KV cache, also one inside a list or an object): never copied, since
         the write must reach the caller's tensor; the first call's tensors are the graphs' (``pinned``)."""

@@ -94,6 +94,13 @@ def writes_to_inputs(graph: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -
     return found
 
 
+def inputs_sharing_memory(inputs: list[torch.fx.Node], written: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The ``inputs`` whose memory one of ``written`` shares (views of one tensor): copying one of them apart
+    would part it from the writes."""
+    storages = {_storage(node) for node in written} - {None}
+    return [node for node in inputs if node not in written and _storage(node) in storages]
+
+
 def describe_write(node: torch.fx.Node) -> str:
     """How the user wrote an in-place ``node``: ``x[...] = v``, ``+=``, ``.index_copy_()``, ``mylib::op``."""
     if node.op == "call_function" and node.target is operator.setitem:

@@ -26,7 +26,15 @@ class Arguments:
         parameters = list(inspect.signature(inner(model).forward).parameters.values())  # a TokensFirst's: the model's
         self.names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if not self.names:
-            raise ValueError("piecewise.compile: the model's forward takes no positional arguments to carry tokens")
+            wrapped = getattr(inner(model), "module", None)
+            raise ValueError(
+                f"piecewise.compile: the forward of {type(inner(model)).__name__} names no argument "
+                f"({inspect.signature(inner(model).forward)}): piecewise binds a call's arguments by name to find the "
+                f"token arguments. "
+                + (f"Compile the module it wraps (model.module, a {type(wrapped).__name__}), or " if isinstance(
+                    wrapped, torch.nn.Module) else "Compile ")
+                + "a module whose forward names its arguments (a wrapper: def forward(self, input_ids, positions): "
+                  "return self.model(input_ids, positions)).")
         dynamic = self._check_dynamic(dynamic)
         self.dynamic = None if dynamic is None else {name: 0 for name in dynamic}
         """Token arguments → 0, their token dimension inside the runtime; decided at the first call when not given."""

@@ -22,6 +22,7 @@ from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused, first_line
 from .core import Core
+from .full_graphs import restore, snapshot
 from .verify import rel_error, tolerance
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -55,31 +56,47 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
     value drawn in Python differs in the last. A forward whose pieces compute each row from that row alone
     (attention and other cross-token code in splitting ops) gives the same real rows both times; one that mixes rows
     (a sum or softmax over the tokens, ``x[-1]``) would return padding-dependent numbers on every padded call:
-    refused here."""
+    refused here. The state both runs write is compared too (rows mixed into a write). Where that ran one real row,
+    two more runs pad two or more (a first row at position 0 holds what zero padding does)."""
     sizes = [size for size in core.ladder.sizes if size >= 2]
     if not sizes:
         return
-    size = sizes[0]
     given = core.arguments.given_tokens(arguments)
-    rows = min(arguments[given[0]].shape[0], size - 1)
-    results = []
+    tokens = arguments[given[0]].shape[0]
+    plans = [(sizes[0], min(tokens, sizes[0] - 1))]
+    wider = next((s for s in sizes if s >= 3), None)  # two real rows or more: a first row at position 0 holds
+    if wider is not None and tokens >= 2 and plans[0][1] < 2:  # what zero padding does
+        plans.append((wider, min(tokens, wider - 1)))
     first = RandomState()
-    for fill in ("trace", "zeros", "copies", "again"):
-        if fill == "zeros":
-            drawn = RandomState()
-        elif fill == "copies":
-            drawn.restore()  # both compared runs draw the same random numbers: only the padding differs
-        staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
-        if fill == "copies":
-            core.stager.fill_padding_with_copies(arguments, given, rows, size)
-        try:
-            output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
-        except Exception as exc:
-            refuse_if_rows_refused(core, core.arguments.leading(arguments, rows), rows, size, arguments, exc)
-            raise
-        results.append(core.finish(output, rows, size, clone=True))
-    first.restore()
-    for index, (zeros, copies) in enumerate(zip(*(output_tensors(r) for r in results[1:3]))):
+    for plan, (size, rows) in enumerate(plans):
+        results, saved, written = [], None, None
+        for fill in ("trace", "zeros", "copies", "again") if plan == 0 else ("zeros", "copies"):
+            if fill == "zeros":
+                drawn = RandomState()
+                saved = snapshot(core, arguments)  # the state both compared runs start from
+            elif fill == "copies":
+                drawn.restore()  # both compared runs draw the same random numbers: only the padding differs
+                written = [tensor.clone() for tensor, _, _ in saved or ()]
+                restore(saved)
+            staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
+            if fill == "copies":
+                core.stager.fill_padding_with_copies(arguments, given, rows, size)
+            try:
+                output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
+            except Exception as exc:
+                refuse_if_rows_refused(core, core.arguments.leading(arguments, rows), rows, size, arguments, exc)
+                raise
+            results.append(core.finish(output, rows, size, clone=True))
+            if fill == "copies":
+                _compare_state(core, saved, written, rows, size)
+        first.restore()
+        _compare_outputs(core, *results[-3 if plan == 0 else -2:][:2], rows, size)
+    if not core.frontend.runs_every_size:  # breakable: after its captures, which tell a branch on the count
+        check_count(core, arguments)
+
+
+def _compare_outputs(core: Core, zeros_output: Any, copies_output: Any, rows: int, size: int) -> None:
+    for index, (zeros, copies) in enumerate(zip(output_tensors(zeros_output), output_tensors(copies_output))):
         difference, allowed = _difference(zeros, copies)
         if not difference <= allowed:  # NaN included
             hint, chain = core.frontend.mixing_hint()
@@ -93,8 +110,24 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
                 f"real rows, or move it out of forward.",
                 "token_mixing", chain,
             )
-    if not core.frontend.runs_every_size:  # breakable: after its captures, which tell a branch on the count
-        check_count(core, arguments)
+
+
+def _compare_state(core: Core, saved: list | None, written: list | None, rows: int, size: int) -> None:
+    """The state the zero-padded run wrote (``written``) must equal what the run padded with copies of real rows
+    wrote: pad rows that reach a write (a value computed across the rows, ``h.flip(0)``, ``h[-1]``, a length from
+    the last row's position) would write padding into it on every padded call."""
+    for (tensor, _, name), zeros in zip(saved or (), written or ()):
+        difference, allowed = _difference(tensor, zeros)
+        if not difference <= allowed:
+            hint, chain = core.frontend.mixing_hint()
+            raise ForwardRefused(
+                f"piecewise: the forward mixes tokens into state it writes: with {rows} real token(s) padded to "
+                f"{size}, what it writes into {name} changes by {difference:.1e} (relative) when the padding rows "
+                f"hold other values. Every call is padded to a capture size, so the padding would reach that state "
+                f"on every padded call. Code outside splitting ops reads rows other than its own (a value taken "
+                f"from the last row, x[-1], a flip or a sort over the tokens) before it writes.{hint} Make that code "
+                f"a splitting op (piecewise.opaque_op(..., split=True)), which sees only the real rows.",
+                "token_mixing", chain)
 
 
 def _difference(got: Any, want: Any) -> tuple[float, float]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..capture.outputs import walk_tensors
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import BlockerKind, CaptureFailed, CaptureOutOfMemory, ForwardRefused, VerificationError
@@ -99,6 +100,12 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     static = core.arguments.record_first(arguments)
     core.state.stable_ptrs.update(t.data_ptr() for t in [*model_tensors, *static])
     core.state.static_storages.update(t.untyped_storage().data_ptr() for t in [*model_tensors, *static])
+    # Tensors inside the other arguments (vLLM's kv_caches list, SGLang's forward_batch) are state too: breakable
+    # cuts its writes into them out of the graphs (Dynamo holds the written ones fixed, ``GraphRunner``).
+    core.state.static_storages.update(t.untyped_storage().data_ptr() for name, value in arguments.items()
+                                      if value is not None and not isinstance(value, torch.Tensor)
+                                      and name not in core.arguments.dynamic
+                                      for _, t in walk_tensors(value) if t is not None)
     started = time.perf_counter()
     tokens = core.arguments.rows(arguments)
     counts = opaque_call_counts()
