@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import warnings
 from typing import Any
@@ -24,6 +25,8 @@ from ..errors import ForwardRefused, first_line
 from .core import Core
 from .full_graphs import restore, snapshot
 from .verify import rel_error, tolerance
+
+logger = logging.getLogger(__name__)
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
@@ -69,7 +72,7 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
         plans.append((wider, min(tokens, wider - 1)))
     first = RandomState()
     for plan, (size, rows) in enumerate(plans):
-        results, saved, written = [], None, None
+        results, saved, written, copied = [], None, None, None
         for fill in ("trace", "zeros", "copies", "again") if plan == 0 else ("zeros", "copies"):
             if fill == "zeros":
                 drawn = RandomState()
@@ -78,21 +81,42 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
                 drawn.restore()  # both compared runs draw the same random numbers: only the padding differs
                 written = [tensor.clone() for tensor, _, _ in saved or ()]
                 restore(saved)
-            staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
+            results.append(_padded_run(core, arguments, given, rows, size, copies=fill == "copies"))
             if fill == "copies":
-                core.stager.fill_padding_with_copies(arguments, given, rows, size)
-            try:
-                output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
-            except Exception as exc:
-                refuse_if_rows_refused(core, core.arguments.leading(arguments, rows), rows, size, arguments, exc)
+                copied = [tensor.clone() for tensor, _, _ in saved or ()]
+        zeros, copies = results[-3 if plan == 0 else -2:][:2]
+        try:
+            _compare_state(core, saved, written, copied, rows, size)
+            _compare_outputs(core, zeros, copies, rows, size)
+        except ForwardRefused:
+            drawn.restore()  # the zero-padded run once more: a forward that races (an unjoined side stream) or
+            restore(saved)  # is otherwise not repeatable differs from itself, which is not the padding's doing
+            again = _padded_run(core, arguments, given, rows, size, copies=False)
+            if _same(zeros, again) and _same(written, [tensor for tensor, _, _ in saved or ()]):
                 raise
-            results.append(core.finish(output, rows, size, clone=True))
-            if fill == "copies":
-                _compare_state(core, saved, written, rows, size)
+            logger.info("piecewise: the forward gives other results on a repeat of the same padded run; the padding "
+                        "check at %d tokens is left out", size)
         first.restore()
-        _compare_outputs(core, *results[-3 if plan == 0 else -2:][:2], rows, size)
     if not core.frontend.runs_every_size:  # breakable: after its captures, which tell a branch on the count
         check_count(core, arguments)
+
+
+def _padded_run(core: Core, arguments: dict[str, Any], given: list[str], rows: int, size: int, copies: bool) -> Any:
+    """The first call's leading ``rows`` padded to ``size``, the pad rows zero or (``copies``) copies of real rows."""
+    staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
+    if copies:
+        core.stager.fill_padding_with_copies(arguments, given, rows, size)
+    try:
+        output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
+    except Exception as exc:
+        refuse_if_rows_refused(core, core.arguments.leading(arguments, rows), rows, size, arguments, exc)
+        raise
+    return core.finish(output, rows, size, clone=True)
+
+
+def _same(first: Any, second: Any) -> bool:
+    pairs = zip(output_tensors(first), output_tensors(second)) if not isinstance(first, list) else zip(first, second)
+    return all(difference <= allowed for difference, allowed in (_difference(a, b) for a, b in pairs))
 
 
 def _compare_outputs(core: Core, zeros_output: Any, copies_output: Any, rows: int, size: int) -> None:
@@ -112,11 +136,12 @@ def _compare_outputs(core: Core, zeros_output: Any, copies_output: Any, rows: in
             )
 
 
-def _compare_state(core: Core, saved: list | None, written: list | None, rows: int, size: int) -> None:
+def _compare_state(core: Core, saved: list | None, written: list | None, copied: list | None, rows: int,
+                   size: int) -> None:
     """The state the zero-padded run wrote (``written``) must equal what the run padded with copies of real rows
-    wrote: pad rows that reach a write (a value computed across the rows, ``h.flip(0)``, ``h[-1]``, a length from
-    the last row's position) would write padding into it on every padded call."""
-    for (tensor, _, name), zeros in zip(saved or (), written or ()):
+    wrote (``copied``): pad rows that reach a write (a value computed across the rows, ``h.flip(0)``, ``h[-1]``, a
+    length from the last row's position) would write padding into it on every padded call."""
+    for (_, _, name), zeros, tensor in zip(saved or (), written or (), copied or ()):
         difference, allowed = _difference(tensor, zeros)
         if not difference <= allowed:
             hint, chain = core.frontend.mixing_hint()
