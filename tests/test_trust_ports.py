@@ -325,3 +325,35 @@ def test_caches_in_a_dict_or_a_tuple_written_in_plain_code_are_served(frontend):
 def test_a_forward_that_names_no_argument_says_what_to_compile():
     with pytest.raises(ValueError, match=r"forward of DataParallel names no argument.*model\.module, a Linear"):
         piecewise.compile(nn.DataParallel(nn.Linear(4, 4)))
+
+
+CALLS = {"count": 0}
+
+
+@piecewise.opaque_op("trust_ports::drifting", split=True)
+def drifting(x: torch.Tensor) -> torch.Tensor:
+    """Another result on every run, rehearsal or not (a race between streams does that on a GPU)."""
+    CALLS["count"] += 1
+    return x + CALLS["count"]
+
+
+class Drifting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return drifting(self.lin(x))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_forward_that_differs_from_itself_is_not_refused_for_the_paddings_doing(frontend, caplog):
+    """The padding check repeats its zero-padded run before refusing: where that differs too, the difference is
+    not the padding's, and the check is left out with a log line."""
+    import logging
+
+    runner = piecewise.compile(Drifting().eval(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
+                                                                          cache_dir=None))
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="piecewise.runtime.checks"):
+        assert runner(torch.randn(5, 8)).shape == (5, 8)
+    assert "gives other results on a repeat of the same padded run" in caplog.text

@@ -115,8 +115,12 @@ def _padded_run(core: Core, arguments: dict[str, Any], given: list[str], rows: i
 
 
 def _same(first: Any, second: Any) -> bool:
-    pairs = zip(output_tensors(first), output_tensors(second)) if not isinstance(first, list) else zip(first, second)
-    return all(difference <= allowed for difference, allowed in (_difference(a, b) for a, b in pairs))
+    """Equal within the check's tolerance: two outputs, two lists of tensors, or two values (``_difference``)."""
+    if isinstance(first, list) or not isinstance(first, (torch.Tensor, int, float)):
+        pairs = zip(first, second) if isinstance(first, list) else zip(output_tensors(first), output_tensors(second))
+        return all(_same(a, b) for a, b in pairs)
+    difference, allowed = _difference(first, second)
+    return difference <= allowed
 
 
 def _compare_outputs(core: Core, zeros_output: Any, copies_output: Any, rows: int, size: int) -> None:
@@ -180,16 +184,20 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
     rows = min(arguments[given[0]].shape[0], sizes[0] - 1)
     first = RandomState()
     outputs = []
-    for size in sizes[:2]:
+    for size in (*sizes[:2], sizes[0]):  # the last: the first size again, only where the two differ
         first.restore()
-        staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
-        output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
-        outputs.append(core.finish(output, rows, size, clone=True))
+        if len(outputs) == 2 and all(_same(a, b) for a, b in zip(*(_compared(o) for o in outputs))):
+            return
+        outputs.append(_padded_run(core, arguments, given, rows, size, copies=False))
         if len(outputs) == 1 and not first.same(RandomState()):
             first.restore()
             return
     first.restore()
-    for index, (want, got) in enumerate(zip(*(_compared(output) for output in outputs))):
+    if not all(_same(a, b) for a, b in zip(*(_compared(o) for o in (outputs[0], outputs[2])))):
+        logger.info("piecewise: the forward gives other results on a repeat of the same padded run; the check of "
+                    "the token count is left out")
+        return
+    for index, (want, got) in enumerate(zip(*(_compared(output) for output in outputs[:2]))):
         difference, allowed = _difference(got, want)
         if not difference <= allowed:
             raise ForwardRefused(
@@ -351,11 +359,6 @@ class ModuleState:
                 found.append(f"`{_label(*place)}`{values}")
         self.fingerprints = now
         return found
-
-    def same(self, other: RandomState) -> bool:
-        cuda = (self.cuda is None) == (other.cuda is None) and all(
-            torch.equal(a, b) for a, b in zip(self.cuda or (), other.cuda or ()))
-        return self.python == other.python and torch.equal(self.cpu, other.cpu) and cuda
 
     def restore(self) -> None:
         """Put back each attribute as it was when this was taken (containers' contents too)."""
