@@ -96,13 +96,16 @@ class GraphRunner:
         not hold fixed: made by Python between graphs, or found inside an argument), and which written ones are
         the graphs' from now on."""
         state = self.state
-        outside = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.data_ptr() not in state.stable_ptrs]
-        self.external = [i for i in outside if i not in self.written or self._carries_rows(i, args[i])]
-        for i in outside:
-            if i in self.written and not self._carries_rows(i, args[i]):
-                self.pinned[i] = args[i].data_ptr()
-                state.stable_ptrs.add(args[i].data_ptr())
-                state.static_storages.add(args[i].untyped_storage().data_ptr())
+        self.external = []
+        for i, value in enumerate(args):
+            if not isinstance(value, torch.Tensor) or value.data_ptr() in state.stable_ptrs:
+                continue
+            if i in self.written and not self._carries_rows(i, value):
+                self.pinned[i] = value.data_ptr()
+                state.stable_ptrs.add(value.data_ptr())
+                state.static_storages.add(value.untyped_storage().data_ptr())
+            else:
+                self.external.append(i)
 
     def _carries_rows(self, index: int, value: torch.Tensor) -> bool:
         """An activation Python handed on between graphs (after a graph break), not state: staged."""

@@ -92,7 +92,7 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
             drawn.restore()  # the zero-padded run once more: a forward that races (an unjoined side stream) or
             restore(saved)  # is otherwise not repeatable differs from itself, which is not the padding's doing
             again = _padded_run(core, arguments, given, rows, size, copies=False)
-            if _same(zeros, again) and _same(written, [tensor for tensor, _, _ in saved or ()]):
+            if _same(_compared(zeros), _compared(again)) and _same(written or [], [t for t, _, _ in saved or ()]):
                 raise
             logger.info("piecewise: the forward gives other results on a repeat of the same padded run; the padding "
                         "check at %d tokens is left out", size)
@@ -114,13 +114,9 @@ def _padded_run(core: Core, arguments: dict[str, Any], given: list[str], rows: i
     return core.finish(output, rows, size, clone=True)
 
 
-def _same(first: Any, second: Any) -> bool:
-    """Equal within the check's tolerance: two outputs, two lists of tensors, or two values (``_difference``)."""
-    if isinstance(first, list) or not isinstance(first, (torch.Tensor, int, float)):
-        pairs = zip(first, second) if isinstance(first, list) else zip(output_tensors(first), output_tensors(second))
-        return all(_same(a, b) for a, b in pairs)
-    difference, allowed = _difference(first, second)
-    return difference <= allowed
+def _same(first: list, second: list) -> bool:
+    """Equal, value by value, within the check's tolerance (``_difference``)."""
+    return all(difference <= allowed for difference, allowed in (_difference(x, y) for x, y in zip(first, second)))
 
 
 def _compare_outputs(core: Core, zeros_output: Any, copies_output: Any, rows: int, size: int) -> None:
@@ -160,16 +156,14 @@ def _compare_state(core: Core, saved: list | None, written: list | None, copied:
 
 
 def _difference(got: Any, want: Any) -> tuple[float, float]:
-    """(relative difference, what is allowed) of two outputs of a padded run: floating tensors by norm, others
-    (token ids, counts, masks, Python numbers) equal or not."""
+    """(relative difference, what is allowed) of two outputs of a padded run: floating tensors by norm
+    (``verify.rel_error``), others (token ids, counts, masks, Python numbers) equal or not."""
     if not isinstance(want, torch.Tensor):
         return (0.0 if got == want else 1.0), 0.0
-    if want.is_complex() or not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        return (0.0 if want.is_complex() else 1.0), 0.0
-    if want.is_floating_point():
-        difference = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
-        return difference, 1e-4 if want.dtype in (torch.float32, torch.float64) else 1e-2
-    return (float((got != want).double().mean()) if want.numel() else 0.0), 0.0
+    if want.is_complex():
+        return 0.0, 0.0
+    allowed = (1e-4 if want.dtype in (torch.float32, torch.float64) else 1e-2) if want.is_floating_point() else 0.0
+    return (rel_error(got, want) if isinstance(got, torch.Tensor) else 1.0), allowed
 
 
 def check_count(core: Core, arguments: dict[str, Any]) -> None:
@@ -183,32 +177,32 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
     given = core.arguments.given_tokens(arguments)
     rows = min(arguments[given[0]].shape[0], sizes[0] - 1)
     first = RandomState()
-    outputs = []
-    for size in (*sizes[:2], sizes[0]):  # the last: the first size again, only where the two differ
-        first.restore()
-        if len(outputs) == 2 and all(_same(a, b) for a, b in zip(*(_compared(o) for o in outputs))):
-            return
-        outputs.append(_padded_run(core, arguments, given, rows, size, copies=False))
-        if len(outputs) == 1 and not first.same(RandomState()):
-            first.restore()
-            return
+    want = _compared(_padded_run(core, arguments, given, rows, sizes[0], copies=False))
+    draws = not first.same(RandomState())
     first.restore()
-    if not all(_same(a, b) for a, b in zip(*(_compared(o) for o in (outputs[0], outputs[2])))):
+    if draws:
+        return
+    got = _compared(_padded_run(core, arguments, given, rows, sizes[1], copies=False))
+    first.restore()
+    index = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same([a], [b])), None)
+    if index is None:
+        return
+    again = _compared(_padded_run(core, arguments, given, rows, sizes[0], copies=False))  # the first run repeated
+    first.restore()
+    if not _same(again, want):
         logger.info("piecewise: the forward gives other results on a repeat of the same padded run; the check of "
                     "the token count is left out")
         return
-    for index, (want, got) in enumerate(zip(*(_compared(output) for output in outputs[:2]))):
-        difference, allowed = _difference(got, want)
-        if not difference <= allowed:
-            raise ForwardRefused(
-                f"piecewise: the forward takes the token count for a value: with {rows} real token(s), output "
-                f"{index} ({_what(want)}) differs by {difference:.1e} (relative) between padding to {sizes[0]} and "
-                f"to {sizes[1]} tokens. Every call is padded to a capture size, so such code sees the padded count: "
-                f"a division by x.shape[0], arange(T) counted from the end, the count returned or kept, or rows "
-                f"read at an offset from the end (x.roll(k, 0), x[-k]). Give the count as an argument (a tensor), "
-                f"or make that code a splitting op (piecewise.opaque_op(..., split=True)), which sees the real "
-                f"count and rows.",
-                "token_mixing", [])
+    difference = _difference(got[index], want[index])[0]
+    raise ForwardRefused(
+        f"piecewise: the forward takes the token count for a value: with {rows} real token(s), output "
+        f"{index} ({_what(want[index])}) differs by {difference:.1e} (relative) between padding to {sizes[0]} and "
+        f"to {sizes[1]} tokens. Every call is padded to a capture size, so such code sees the padded count: "
+        f"a division by x.shape[0], arange(T) counted from the end, the count returned or kept, or rows "
+        f"read at an offset from the end (x.roll(k, 0), x[-k]). Give the count as an argument (a tensor), "
+        f"or make that code a splitting op (piecewise.opaque_op(..., split=True)), which sees the real "
+        f"count and rows.",
+        "token_mixing", [])
 
 
 def _compared(output: Any) -> list[Any]:

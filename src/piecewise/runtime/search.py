@@ -1,16 +1,17 @@
 """``CaptureConfig(compiler="auto")``: the piece compiler chosen by measurement at the first call.
 
 Each candidate compiler (``eager``, then ``inductor``) gets a runner of its own on the same model, prepared on the
-first call's arguments (its front-end chosen as ``frontend`` says, its checks run, every size captured), then
-timed at a few representative token counts (1, 8, 32 and the top of the graphs) with calls made from the first
-call's rows. Where Inductor pieces on the Dynamo front-end pad one-token calls to 2 (a trace that holds for more
-than one token only), Inductor on the breakable front-end is a third candidate: it serves one token. The calls are rehearsals (``piecewise.context().rehearsal``): splitting ops that keep
-state across calls skip them; the state the calls could write (static tensor arguments, the model's buffers) is
-copied after the first candidate's first call and put back after each candidate's timing calls (sizes above the
-first call's count are timed only where that copy fits, on every rank: their repeated rows may write rows the first
-call did not). The fastest candidate's runner becomes this one (a later one only when more than ``MARGIN``
-faster); the others' graphs and pools are released. Candidates are tried in order while the first calls' seconds stay within
-``compile_budget_s``; past it, the fastest of those measured is taken.
+first call's arguments (its front-end chosen as ``frontend`` says, its checks run, every size captured), then timed
+at a few representative token counts (1, 8, 32 and the top of the graphs) with calls made from the first call's
+rows. Where Inductor pieces on the Dynamo front-end pad one-token calls to 2 (a trace that holds for more than one
+token only), Inductor on the breakable front-end is a third candidate: it serves one token. The calls are rehearsals
+(``piecewise.context().rehearsal``): splitting ops that keep state across calls skip them; the state the calls could
+write (static tensor arguments, the model's buffers) is copied after the first candidate's first call and put back
+after each candidate's timing calls (sizes above the first call's count are timed only where that copy fits, on
+every rank: their repeated rows may write rows the first call did not). The fastest candidate's runner becomes this
+one (a later one only when more than ``MARGIN`` faster); the others' graphs and pools are released. Candidates are
+tried in order while the first calls' seconds stay within ``compile_budget_s``; past it, the fastest of those
+measured is taken.
 
 The choice, with every candidate's times, goes into ``stats["frontend_reason"]`` and ``stats["candidates"]``, and
 into the persistent cache (``piecewise.cache``): a later process takes the recorded compiler without the search.
