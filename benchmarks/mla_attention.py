@@ -20,23 +20,38 @@ import dataclasses
 import datetime
 import json
 import multiprocessing
+import os
 import sys
 from pathlib import Path
 
 import torch
 
+from piecewise.kernels import latent_fp8
 from piecewise.kernels.mla import BLOCKS, LatentBlocks, latent_attention, latent_attention_reference, latent_splits
 
 HEADS, LATENT, ROPE, PICKS = 64, 512, 64, 2048
 SCALE = (192 + ROPE) ** -0.5
 HBM_BYTES_PER_S = 4.8e12
-CANDIDATES = [LatentBlocks(64, 32, 8, 5, False, 3), LatentBlocks(64, 32, 8, 6, False, 4),
-              LatentBlocks(64, 64, 8, 3, False, 2), LatentBlocks(32, 32, 8, 5, False, 3),
-              LatentBlocks(32, 32, 4, 5, False, 3), LatentBlocks(32, 64, 4, 4, False, 3),
-              LatentBlocks(16, 32, 4, 5, False, 3), LatentBlocks(64, 32, 8, 4, True, 4)]
-"""Block sizes the sweep times (rows_first: the queries as the right-hand operand; more stages: more row blocks in
-flight, as far as shared memory allows; fewer heads: more programs a token, each row read once per program)."""
+FP8 = os.environ.get("PIECEWISE_MLA_FP8") == "1"
+"""``--fp8``: the cache holds FP8 rows (``kernels.latent_fp8``, 656 bytes a row); read by the warm-up processes too."""
+CANDIDATES = [LatentBlocks(), LatentBlocks(values=2),
+              LatentBlocks(64, 16, 4, 3, dense_stages=2, values=2),
+              LatentBlocks(64, 16, 4, 3, dense_stages=2, values=4),
+              LatentBlocks(64, 16, 8, 3, dense_stages=2, values=4), LatentBlocks(values=2, ahead=True),
+              LatentBlocks(64, 16, 4, 3, dense_stages=2, values=4, ahead=True)]
+"""Block sizes the sweep times: the default first, then output columns split over 2 or 4 programs (``values``)
+and the next block's scores ahead of the current block's p·V (``ahead``). Built for sm_90 by Triton 3.6: the
+default and values=2 at 32 rows a step take 181 KB of shared memory (one program a multiprocessor; 244 and 176
+registers); the 16-row candidates take 108 KB and at most 128 × 224 or 256 × 106 registers a program, so that
+two programs fit a multiprocessor. The 2026-12-02 sweep's other candidates (64 rows a step, 32 or 16 heads,
+rows_first, more stages) were slower than the default everywhere."""
 SWEEP_SPLITS = {32: (4, 8, 16), 128: (1, 2)}
+"""Splits timed per batch size, for one program per (token, head block); a candidate with ``values`` programs
+per share takes these divided by ``values`` (the same number of programs)."""
+
+
+def sweep_splits(blocks: LatentBlocks, batch: int) -> tuple[int, ...]:
+    return tuple(sorted({max(1, s // blocks.values) for s in SWEEP_SPLITS[batch]}))
 
 
 def make_case(batch: int, context: int, sparse: bool, prefill: bool = False, seed: int = 0) -> dict:
@@ -56,12 +71,15 @@ def make_case(batch: int, context: int, sparse: bool, prefill: bool = False, see
         top = keys.topk(min(PICKS, context), dim=1)
         indices = torch.where(top.values >= 0, top.indices, -1)  # distinct random picks ≤ position, then -1
     rows = int((indices >= 0).sum()) if sparse else int((positions + 1).sum())
+    if FP8:
+        cache = latent_fp8.quantize_rows(cache[..., :LATENT], cache[..., LATENT:])
     return dict(q_latent=q_latent, q_rope=q_rope, cache=cache, slots=slots, positions=positions, indices=indices,
                 rows=rows, tokens=tokens)
 
 
 def bytes_read(case: dict) -> int:
-    return case["rows"] * (LATENT + ROPE) * 2 + case["tokens"] * HEADS * (LATENT + ROPE + LATENT) * 2
+    row = latent_fp8.row_bytes(LATENT, ROPE) if FP8 else (LATENT + ROPE) * 2
+    return case["rows"] * row + case["tokens"] * HEADS * (LATENT + ROPE + LATENT) * 2
 
 
 def flops(case: dict) -> int:
@@ -71,7 +89,7 @@ def flops(case: dict) -> int:
 def time_us(case: dict, do_bench, graph_ms, l2_bytes: int, blocks=None, splits=None) -> float:
     from nvfp4 import copies_for
 
-    copies = copies_for(case["cache"].numel() * 2, l2_bytes, 2)
+    copies = copies_for(case["cache"].numel() * case["cache"].element_size(), l2_bytes, 2)
     caches = [case["cache"]] + [case["cache"].clone() for _ in range(copies - 1)]
     calls = [lambda cache=cache: latent_attention(case["q_latent"], case["q_rope"], cache, case["slots"],
                                                   case["positions"], SCALE, case["indices"], splits, blocks=blocks)
@@ -84,7 +102,8 @@ def time_us(case: dict, do_bench, graph_ms, l2_bytes: int, blocks=None, splits=N
 def rel_error(case: dict, blocks=None, splits=None) -> float:
     out = latent_attention(case["q_latent"], case["q_rope"], case["cache"], case["slots"], case["positions"], SCALE,
                            case["indices"], splits, blocks=blocks).float()
-    expected = latent_attention_reference(case["q_latent"].float(), case["q_rope"].float(), case["cache"].float(),
+    cache = case["cache"] if FP8 else case["cache"].float()
+    expected = latent_attention_reference(case["q_latent"].float(), case["q_rope"].float(), cache,
                                           case["slots"], case["positions"], SCALE, case["indices"])
     return float((out - expected).norm() / expected.norm())
 
@@ -110,20 +129,22 @@ def warm(jobs: list[tuple]) -> None:
 
 def sweep(do_bench, graph_ms, l2_bytes: int) -> list[dict]:
     rows = []
-    for batch, split_options in SWEEP_SPLITS.items():
+    for batch in SWEEP_SPLITS:
         for sparse in (True, False):
             case = make_case(batch, 2048, sparse)
             for blocks in CANDIDATES:
-                for splits in split_options:
+                for splits in sweep_splits(blocks, batch):
                     row = {"batch": batch, "mode": "sparse" if sparse else "dense",
                            "blocks": dataclasses.asdict(blocks), "splits": splits}
                     try:
                         row["us"] = time_us(case, do_bench, graph_ms, l2_bytes, blocks, splits)
                         row["of_hbm"] = bytes_read(case) / (row["us"] * 1e-6) / HBM_BYTES_PER_S
+                        timed = f"{row['us']:.1f} µs, {row['of_hbm']:.0%} of HBM"
                     except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory on this Triton
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                        timed = row["error"]
                     rows.append(row)
-                    print("sweep", row, flush=True)
+                    print(f"sweep B={batch} {row['mode']} {blocks} splits={splits}: {timed}", flush=True)
             del case
     return rows
 
@@ -142,7 +163,12 @@ def main() -> int:
     parser.add_argument("--batch", default="1,8,32,128")
     parser.add_argument("--context", default="2048,8192")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="FP8 rows (kernels.latent_fp8) instead of bf16")
     args = parser.parse_args()
+    if args.fp8:
+        global FP8
+        FP8 = True
+        os.environ["PIECEWISE_MLA_FP8"] = "1"
     from triton.testing import do_bench
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -156,8 +182,8 @@ def main() -> int:
     jobs = [(None, b, c, s, False, None) for c in contexts for b in batches for s in (True, False)]
     jobs += [(None, 2048, 2048, True, True, None)]  # the table's, when it runs the default blocks
     if args.sweep:
-        jobs += [(blocks, b, 2048, sparse, False, s) for blocks in CANDIDATES for b, options in SWEEP_SPLITS.items()
-                 for s in options for sparse in (True, False)]
+        jobs += [(blocks, b, 2048, sparse, False, s) for blocks in CANDIDATES for b in SWEEP_SPLITS
+                 for s in sweep_splits(blocks, b) for sparse in (True, False)]
     warm(jobs)
     sweep_rows = sweep(do_bench, graph_ms, l2_bytes) if args.sweep else []
     blocks = best_blocks(sweep_rows) if sweep_rows else BLOCKS[torch.bfloat16]
@@ -167,7 +193,7 @@ def main() -> int:
             [("decode", b, c, s, False) for c in contexts for b in batches for s in (True, False)]
             + [("prefill", 2048, 2048, True, True)]):
         case = make_case(batch, context, sparse, prefill)
-        splits = latent_splits(case["tokens"], -(-HEADS // blocks.heads), PICKS if sparse else context,
+        splits = latent_splits(case["tokens"], -(-HEADS // blocks.heads) * blocks.values, PICKS if sparse else context,
                                case["cache"].device)
         us = time_us(case, do_bench, graph_ms, l2_bytes, blocks)
         nbytes = bytes_read(case)
@@ -193,11 +219,11 @@ def main() -> int:
               f"{r['TFLOPs']:.0f} | {r['rel_error']:.1e} |" for r in rows]
     if sweep_rows:
         lines += ["", "Sweep (context 2048): µs per call and share of 4.8 TB/s", "",
-                  "| B | mode | heads | rows | warps | stages | rows_first | splits | µs | of 4.8 TB/s |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| B | mode | heads | rows | warps | stages | dense_stages | values | ahead | splits | µs "
+                  "| of 4.8 TB/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['mode']} | {r['blocks']['heads']} | {r['blocks']['rows']} | "
-                  f"{r['blocks']['warps']} | {r['blocks']['stages']} | {r['blocks']['rows_first']} | "
-                  f"{r['splits']} | "
+                  f"{r['blocks']['warps']} | {r['blocks']['stages']} | {r['blocks']['dense_stages']} | "
+                  f"{r['blocks']['values']} | {r['blocks']['ahead']} | {r['splits']} | "
                   + (f"{r['us']:.1f} | {r['of_hbm']:.0%} |" if "us" in r else f"{r['error']} | |") for r in sweep_rows]
     print("\n".join(lines))
     if args.out:

@@ -39,10 +39,11 @@ HBM = 4.8e12  # the H200's bytes per second
 BUDGET = 120 * 2**30  # what cache and weights may take
 
 
-def step_floor_bytes(model, batch: int, context: int) -> int:
+def step_floor_bytes(model, batch: int, context: int, row_bytes: int | None = None) -> int:
     """What one decode step of ``batch`` sequences must read at least: every weight but the embedding table and
     the routed experts no token chose (at most B·k of them), plus the latent rows its attention reads (each
-    query's picks, or its whole context) and, for DSA, the indexer keys of the whole context."""
+    query's picks, or its whole context; ``row_bytes`` each, bf16 rows by default) and, for DSA, the indexer keys
+    of the whole context."""
     c = model.config
     experts = total = 0
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -56,8 +57,8 @@ def step_floor_bytes(model, batch: int, context: int) -> int:
     routed = getattr(c, "n_routed_experts", 0) or 1
     total += experts * min(1.0, batch * getattr(c, "num_experts_per_tok", 1) / routed)
     rows = min(context, getattr(c, "index_topk", context) or context)
-    width = c.kv_lora_rank + c.qk_rope_head_dim
-    total += batch * rows * width * 2 * c.num_hidden_layers
+    row_bytes = row_bytes or (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+    total += batch * rows * row_bytes * c.num_hidden_layers
     indexers = sum(1 for m in model.modules() if type(m).__name__.endswith("Indexer"))
     total += batch * context * getattr(c, "index_head_dim", 0) * 2 * indexers
     return int(total)
@@ -75,6 +76,8 @@ def main() -> int:
     parser.add_argument("--frontend", default="auto", choices=["auto", "dynamo", "breakable"])
     parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"], help="the pieces' compiler")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--cache-dtype", default="model", choices=["model", "fp8"],
+                        help="the latent cache's rows: the model's dtype, or FP8 (kernels.latent_fp8)")
     parser.add_argument("--profile", type=int, default=0, help="profile the decode step of this many sequences")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,26 +115,31 @@ def main() -> int:
         progress("model built and quantized")
         weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         c = model.config
-        for latent in (True, False):
+        cache_dtype = "fp8" if args.cache_dtype == "fp8" else None
+        for kind, latent, kind_dtype in (("latent", True, None), ("latent fp8", True, "fp8"),
+                                         ("per-head", False, None)):
             enable(model, experts=True, latent_cache=latent)
-            per_token = token_model.kv_bytes_per_token()
-            result["cache"]["latent" if latent else "per-head"] = {
+            per_token = token_model.kv_bytes_per_token(kind_dtype)
+            result["cache"][kind] = {
                 "bytes_per_token_per_layer": per_token / c.num_hidden_layers,
                 "largest_batch": {ctx: int((BUDGET - weights) // (per_token * ctx)) for ctx in contexts}}
         result["cache"]["weights_bytes"] = weights
         modes = [True, False] if args.per_head else [True]
         for latent in modes:
             enable(model, experts=True, latent_cache=latent)
-            label = "latent cache" if latent else "per-head cache"
+            label = ("latent cache" + (" (fp8)" if cache_dtype else "")) if latent else "per-head cache"
+            dtype_of_cache = cache_dtype if latent else None
+            row_bytes = mla.row_bytes(c, cache_dtype or dtype) if latent else None
             for ctx in contexts if latent else contexts[:1]:  # the per-head cache: the shortest context, B <= 32
-                fits = [b for b in batches if token_model.kv_bytes_per_token() * (ctx + 1) * b < BUDGET - weights
+                fits = [b for b in batches if token_model.kv_bytes_per_token(dtype_of_cache) * (ctx + 1) * b
+                        < BUDGET - weights
                         and (latent or b <= 32)]
                 if not fits:
                     continue
                 widest = max(fits)
                 ids = torch.randint(0, c.vocab_size, (widest, ctx + 1), device=device)
                 ids[:, :ctx] = ids[0, :ctx].clone()
-                cache = token_model.make_kv_cache(max_seq_len=ctx + 1, sequences=widest)
+                cache = token_model.make_kv_cache(max_seq_len=ctx + 1, sequences=widest, dtype=dtype_of_cache)
                 runner = piecewise.compile(token_model, piecewise.CaptureConfig(
                     max_tokens=widest, frontend=args.frontend, compiler=args.compiler))
                 runner(ids[0, :ctx], torch.arange(ctx, device=device), cache,
@@ -153,7 +161,7 @@ def main() -> int:
 
                     error = rel_error(step()[: expected.shape[0]], expected[:b]) if expected is not None else None
                     ms = timed(step, sync, rounds, iters)
-                    floor = step_floor_bytes(model, b, ctx) / HBM * 1e3
+                    floor = step_floor_bytes(model, b, ctx, row_bytes) / HBM * 1e3
                     result["decode"].append({"cache": label, "context": ctx, "batch": b, "ms": ms, "floor_ms": floor,
                                              "rel_error": error, "frontend": runner.stats["frontend"],
                                              "graph_mode": runner.stats["graph_mode"], "compiler": args.compiler})
@@ -173,7 +181,7 @@ def main() -> int:
                     torch.cuda.empty_cache()
             for length in prefills if latent else prefills[:1]:
                 ids = torch.randint(0, c.vocab_size, (length,), device=device)
-                cache = token_model.make_kv_cache(max_seq_len=length)
+                cache = token_model.make_kv_cache(max_seq_len=length, dtype=dtype_of_cache)
                 positions = torch.arange(length, device=device)
                 try:
                     ms = timed(lambda: token_model(ids, positions, cache), sync, 1, 2)  # over max_tokens: no graphs
@@ -212,7 +220,7 @@ def markdown(result: dict) -> str:
     cache = result["cache"]
     if cache:
         lines += ["| cache | bytes per token and layer | most sequences in 120 GiB beside the weights |", "|---|---|---|"]
-        for kind in ("latent", "per-head"):
+        for kind in ("latent", "latent fp8", "per-head"):
             if kind in cache:
                 fits = ", ".join(f"{n} at {ctx}" for ctx, n in cache[kind]["largest_batch"].items())
                 lines.append(f"| {kind} | {cache[kind]['bytes_per_token_per_layer']:.0f} | {fits} |")

@@ -57,3 +57,28 @@ def test_bf16_graphs_replay_what_the_runner_computes_without_them(name):
         assert runner.stats["full_calls"] > 0, dict(runner.stats)  # bf16: grouped_mm experts, the latent op inside
     rel = float((results[True].float() - results[False].float()).norm() / results[False].float().norm())
     assert rel <= 1e-2, rel
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+@pytest.mark.parametrize("name", ["DeepseekV3", "GlmMoeDsa"])
+def test_an_fp8_latent_cache_in_full_graphs_equals_eager_over_one(name, frontend):
+    """bf16 over FP8 rows (the Triton kernel reading the bytes): the runner, its decode steps in full graphs,
+    equals the model run eagerly over an FP8 cache, and stays near transformers' forward (FP8's rounding)."""
+    from piecewise.stored import values
+
+    model = model_of(name).to("cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 256, (11,), generator=generator).cuda() for _ in range(3)]
+    with torch.no_grad():
+        expected = torch.cat([model(input_ids=s[None], use_cache=False).logits[0] for s in sequences]).float()
+    token_model = TokenModel(enable(model))
+    eager_cache = token_model.make_kv_cache(max_seq_len=32, sequences=3, dtype="fp8")
+    cache = token_model.make_kv_cache(max_seq_len=32, sequences=3, dtype="fp8")
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend))
+    with torch.no_grad():
+        eager = torch.cat(test_mla.run_steps(token_model, sequences, eager_cache, prompt=5)).float()
+        got = torch.cat(test_mla.run_steps(runner, sequences, cache, prompt=5)).float()
+    assert runner.stats["full_calls"] > 0, dict(runner.stats)
+    assert float((got - eager).norm() / eager.norm()) <= 1e-2
+    assert float((values(cache) - values(eager_cache, cache)).float().norm() / values(eager_cache, cache).float().norm()) <= 2e-2
+    assert float((got - expected).norm() / expected.norm()) <= 5e-2

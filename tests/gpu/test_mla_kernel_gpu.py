@@ -111,7 +111,13 @@ def test_kernel_replays_in_a_cuda_graph_after_its_inputs_change_in_place(sparse,
 
 
 @pytest.mark.parametrize("blocks", [LatentBlocks(), LatentBlocks(32, 32, 8, 5), LatentBlocks(32, 64, 4, 4),
-                                    LatentBlocks(16, 32, 4, 5)])
+                                    LatentBlocks(16, 32, 4, 5), LatentBlocks(values=2),
+                                    LatentBlocks(64, 16, 4, 3, dense_stages=2, values=2),
+                                    LatentBlocks(64, 16, 4, 3, dense_stages=2, values=4),
+                                    LatentBlocks(64, 16, 8, 3, dense_stages=2, values=4),
+                                    LatentBlocks(values=2, ahead=True), LatentBlocks(ahead=True),
+                                    LatentBlocks(64, 16, 4, 3, dense_stages=2, values=4, ahead=True),
+                                    LatentBlocks(32, 32, 4, 5, rows_first=True, values=2, ahead=True)])
 @pytest.mark.parametrize("spread", [1.0, 4.0])
 def test_block_sizes_match_the_reference(blocks, spread):
     """The tuning candidates, with queries scaled so that the running maxima grow by far from block to block."""
@@ -122,3 +128,26 @@ def test_block_sizes_match_the_reference(blocks, spread):
         for splits in (None, 1, 8):
             out = latent_attention(q_latent, q_rope, cache, slots, positions, SCALE, picks, splits, blocks=blocks)
             check(out, q_latent, q_rope, cache, slots, positions, picks, spread)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_fp8_rows_match_the_reference_over_the_rows_read_back(batch):
+    """FP8 rows (``kernels.latent_fp8``: 656 bytes a row at GLM-5's shapes) with bf16 queries: the kernel reads each
+    code times its tile's scale and the bf16 rotated key, as the reference over the rows read back does, sparse and
+    dense, one split and several, also replayed from a CUDA graph."""
+    from piecewise.kernels import latent_fp8
+
+    generator = torch.Generator(device="cuda").manual_seed(9)
+    q_latent, q_rope, cache, slots, positions, indices = decode(batch, 2048, torch.bfloat16, generator)
+    rows = latent_fp8.quantize_rows(cache[..., :LATENT], cache[..., LATENT:])
+    assert rows.shape[-1] == 656
+    wide = latent_fp8.dequantize_rows(rows, LATENT, torch.bfloat16)
+    for picks in (indices, None):
+        for splits in (None, 1, 8):
+            out = latent_attention(q_latent, q_rope, rows, slots, positions, SCALE, picks, splits)
+            check(out, q_latent, q_rope, wide, slots, positions, picks)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend_latent(q_latent, q_rope, rows, slots, positions, SCALE, indices)
+    graph.replay()
+    check(out, q_latent, q_rope, wide, slots, positions, indices)

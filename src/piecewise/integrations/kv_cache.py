@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels import latent_fp8
 from . import dsa, mla
 
 
@@ -14,9 +15,15 @@ def check_cache(model: nn.Module, kv_cache: torch.Tensor, slots: torch.Tensor | 
     reverse; one sequence's cache with ``slots``, or the reverse)."""
     latent = mla.uses_latent_cache(model)
     want = (3 if latent else 5) + (slots is not None)
-    if kv_cache.dim() == want and (not latent or kv_cache.shape[-1] == mla.latent_width(model.config)):
+    fp8 = latent and kv_cache.dtype == torch.uint8  # FP8 rows (kernels.latent_fp8)
+    if not (kv_cache.dtype.is_floating_point or fp8):
+        raise ValueError(f"kv_cache has dtype {kv_cache.dtype}; make it with TokenModel(model).make_kv_cache, in the "
+                         f"model's floating dtype" + (" or dtype='fp8' (a latent cache of FP8 rows)" if latent else ""))
+    width = mla.row_width(model.config, latent_fp8.DTYPE if fp8 else kv_cache.dtype) if latent else None
+    if kv_cache.dim() == want and (not latent or kv_cache.shape[-1] == width):
         return
-    kind = "a latent cache [layers, (sequences,) max_seq, kv_lora_rank + qk_rope_head_dim]" if latent else \
+    kind = ("a latent cache [layers, (sequences,) max_seq, kv_lora_rank + qk_rope_head_dim] (FP8 rows: uint8 "
+            f"[..., {mla.row_width(model.config, latent_fp8.DTYPE)}])") if latent else \
         "a cache [layers, 2, (sequences,) max_seq, kv heads, head_dim]"
     if slots is not None:
         raise ValueError(f"slots need a multi-sequence kv_cache ({kind}, with the sequences dimension), got "
@@ -41,10 +48,19 @@ def _kv_heads(model: nn.Module) -> int:
 def bytes_per_token(model: nn.Module, dtype=None) -> int:
     """Bytes of cache one token takes over all layers, indexer key caches included."""
     c = model.config
-    itemsize = (dtype or next(model.parameters()).dtype).itemsize
-    per_layer = mla.latent_width(c) if mla.uses_latent_cache(model) else 2 * _kv_heads(model) * _head_dim(c)
-    index = sum(m.head_dim for m in dsa.indexers(model)) if dsa.is_indexed(c) else 0
-    return (c.num_hidden_layers * per_layer + index) * itemsize
+    weight_dtype = next(model.parameters()).dtype
+    _check_dtype(model, dtype)
+    index_dtype = weight_dtype if latent_fp8.is_fp8_dtype(dtype) else (dtype or weight_dtype)
+    index = sum(m.head_dim for m in dsa.indexers(model)) * index_dtype.itemsize if dsa.is_indexed(c) else 0
+    if mla.uses_latent_cache(model):
+        return c.num_hidden_layers * mla.row_bytes(c, dtype or weight_dtype) + index
+    return c.num_hidden_layers * 2 * _kv_heads(model) * _head_dim(c) * (dtype or weight_dtype).itemsize + index
+
+
+def _check_dtype(model: nn.Module, dtype) -> None:
+    if latent_fp8.is_fp8_dtype(dtype) and not mla.uses_latent_cache(model):
+        raise ValueError(f"an FP8 cache ({dtype}) is for MLA models' latent cache only; this model caches per-head "
+                         f"keys and values: leave dtype at the model's")
 
 
 def make(model: nn.Module, max_seq_len: int, sequences: int | None = None, device=None, dtype=None) -> torch.Tensor:
@@ -52,8 +68,10 @@ def make(model: nn.Module, max_seq_len: int, sequences: int | None = None, devic
     c = model.config
     weight = next(model.parameters())
     device, dtype = device or weight.device, dtype or weight.dtype
-    if dsa.is_indexed(c):  # the indexer's key caches, beside this one: buffers of the indexers
-        dsa.make_index_caches(model, max_seq_len, sequences, device, dtype)
+    _check_dtype(model, dtype)
+    if dsa.is_indexed(c):  # the indexer's key caches, beside this one: buffers of the indexers (FP8: bf16 keys)
+        dsa.make_index_caches(model, max_seq_len, sequences, device,
+                              weight.dtype if latent_fp8.is_fp8_dtype(dtype) else dtype)
     if mla.uses_latent_cache(model):
         return mla.make_latent_cache(model, max_seq_len, sequences, device, dtype)
     shape = (max_seq_len, _kv_heads(model), _head_dim(c))

@@ -19,6 +19,7 @@ the transformers way).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import types
@@ -28,8 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context import redirect_padding
+from ..kernels import latent_fp8
 from ..models.attention import cache_overflow_named
 from ..opaque import opaque_op
+from ..stored import stored_as
 from .dsa import ATTENTION
 
 LATENT_CLASSES = frozenset({"DeepseekV3Attention", "DeepseekV32Attention", "GlmMoeDsaAttention",
@@ -93,7 +96,8 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tens
     rows = slots if slots is not None else torch.zeros_like(positions)
     rows, positions, latent, k_rope, q_nope, q_rope = redirect_padding(rows, positions, latent, k_rope, q_nope, q_rope)
     with cache_overflow_named(positions, layer_cache.shape[1]):
-        layer_cache[rows, positions] = torch.cat([latent, k_rope], dim=-1).to(layer_cache.dtype)
+        layer_cache[rows, positions] = latent_fp8.quantize_rows(latent, k_rope) if is_fp8_cache(layer_cache) else \
+            torch.cat([latent, k_rope], dim=-1).to(layer_cache.dtype)
     if tokens > UP_PROJECT_TOKENS and (indices is None or int(positions.max()) < indices.shape[1]):
         # dense, or sparse where no query has more earlier keys than picks: each query then picks them all
         return up_projected_attention(q_nope, q_rope, layer_cache, rows, positions, scale, w_uk, w_uv)
@@ -121,7 +125,8 @@ def up_projected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cac
         index = (rows == slot).nonzero().squeeze(1)
         at = positions[index]
         length = int(at.max()) + 1
-        kept = layer_cache[slot, :length].to(q_nope.dtype)
+        kept = layer_cache[slot, :length]
+        kept = latent_fp8.dequantize_rows(kept, latent, q_nope.dtype) if is_fp8_cache(kept) else kept.to(q_nope.dtype)
         keys = torch.cat([torch.einsum("sr,hnr->hsn", kept[:, :latent], w_uk),
                           kept[None, :, latent:].expand(heads, -1, -1)], dim=-1)  # [H, S, nope + P]
         values = torch.einsum("sr,hvr->hsv", kept[:, :latent], w_uv)  # [H, S, v]
@@ -202,8 +207,31 @@ def enable_latent(model: nn.Module, on: bool = True) -> bool:
     return model._piecewise_latent
 
 
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    """A latent cache of FP8 rows (``kernels.latent_fp8``): bytes."""
+    return cache.dtype == torch.uint8
+
+
+def row_width(config, dtype) -> int:
+    """The last dimension of a latent cache of ``dtype``: values, or an FP8 row's bytes."""
+    if latent_fp8.is_fp8_dtype(dtype):
+        return latent_fp8.row_bytes(config.kv_lora_rank, config.qk_rope_head_dim)
+    return latent_width(config)
+
+
+def row_bytes(config, dtype) -> int:
+    """Bytes of one token's row in one layer of a latent cache of ``dtype``."""
+    return row_width(config, dtype) * (1 if latent_fp8.is_fp8_dtype(dtype) else dtype.itemsize)
+
+
 def make_latent_cache(model: nn.Module, max_seq_len: int, sequences: int | None, device, dtype) -> torch.Tensor:
-    """[layers, (sequences,) max_seq_len, kv_lora_rank + qk_rope_head_dim], zeroed."""
+    """[layers, (sequences,) max_seq_len, kv_lora_rank + qk_rope_head_dim], zeroed; for an FP8 ``dtype``
+    (``torch.float8_e4m3fn`` or ``"fp8"``) uint8 rows of ``kernels.latent_fp8``'s layout, [..., 656] for
+    DeepSeek-V3 and GLM-5."""
     c = model.config
-    shape = (max_seq_len, latent_width(c)) if sequences is None else (sequences, max_seq_len, latent_width(c))
-    return torch.zeros(c.num_hidden_layers, *shape, device=device, dtype=dtype)
+    width = row_width(c, dtype)
+    shape = (max_seq_len, width) if sequences is None else (sequences, max_seq_len, width)
+    if not latent_fp8.is_fp8_dtype(dtype):
+        return torch.zeros(c.num_hidden_layers, *shape, device=device, dtype=dtype)
+    cache = torch.zeros(c.num_hidden_layers, *shape, device=device, dtype=torch.uint8)
+    return stored_as(cache, functools.partial(latent_fp8.dequantize_rows, latent=c.kv_lora_rank, dtype=torch.bfloat16))

@@ -61,6 +61,8 @@ class TokenModel(nn.Module):
     def make_kv_cache(self, max_seq_len: int, sequences: int | None = None, device=None, dtype=None) -> torch.Tensor:
         """A zeroed cache for ``forward``'s ``kv_cache``: [layers, 2, max_seq_len, kv heads, head_dim] for one
         sequence, or [layers, 2, sequences, max_seq_len, kv heads, head_dim] for ``slots``; for MLA models
-        [layers, (sequences,) max_seq_len, kv_lora_rank + qk_rope_head_dim]. ``kv_bytes_per_token`` says what
+        [layers, (sequences,) max_seq_len, kv_lora_rank + qk_rope_head_dim]; for those, ``dtype="fp8"`` (or
+        ``torch.float8_e4m3fn``) makes FP8 rows (``kernels.latent_fp8``: uint8 [..., 656] for DeepSeek-V3 and
+        GLM-5, 57% of bf16's bytes; indexer key caches stay in the model's dtype). ``kv_bytes_per_token`` says what
         a token costs in it."""
         return cache_layout.make(self.model, max_seq_len, sequences, device, dtype)

@@ -22,7 +22,10 @@ case tuned: benchmarks/mla_attention.py --sweep, results in benchmarks/results/2
 all 64 heads of a token in one program (no row gathered twice), 8 warps, 32 rows a step, three row blocks in
 flight. The 64 × 512 float32 sum takes 128 registers a thread, so one program runs per multiprocessor; decode
 reaches about a quarter of HBM bandwidth, limited by instruction latency with 8 warps a multiprocessor rather
-than by memory. A float32 cache takes 16 heads and 16 rows a step (shared memory).
+than by memory. A float32 cache takes 16 heads and 16 rows a step (shared memory). Two structural variants are
+there for tuning: ``LatentBlocks.values`` splits the R output columns over several programs (each scoring every
+row, smaller sums, more programs a multiprocessor) and ``LatentBlocks.ahead`` computes the next row block's
+scores before the current block's softmax and p·V.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import latent_fp8
 from .attention import _multiprocessors
 
 try:
@@ -59,6 +63,16 @@ class LatentBlocks:
     ``tl.dot`` (measured no faster at 64 heads)."""
     dense_stages: int = 3
     """``num_stages`` over contiguous rows (no picks to load: as many row blocks in flight as ``stages``)."""
+    values: int = 1
+    """Programs sharing one (token, head block, split)'s output columns (a power of 2; at least 16 columns each):
+    each computes the full scores of its rows but p·V only for its R / values columns, so its float32 sum is
+    R / values wide (fewer registers, more programs a multiprocessor). Each latent column is gathered once a
+    program: the score dot runs over the columns in pieces, the program's own piece first, which then serves p·V.
+    The value programs of one share are adjacent in the grid (their gathers of the same rows meet in L2)."""
+    ahead: bool = False
+    """The scores of the next row block before the current block's softmax and p·V (a software pipeline of the
+    dots: the next block's score dot can run while the current block's softmax does), the current block's rows
+    carried over from the step before."""
 
 
 BLOCKS = {torch.bfloat16: LatentBlocks(), torch.float16: LatentBlocks(),
@@ -91,7 +105,8 @@ def latent_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, cac
         part = slice(first, first + chunk)
         index = indices[part].long()
         visible = (index >= 0) & (index <= positions[part, None]) & (index < max_seq)  # [t, K]
-        rows = cache[slots[part, None], index.clamp(0, max_seq - 1)].to(compute)  # [t, K, R + P]
+        rows = cache[slots[part, None], index.clamp(0, max_seq - 1)]  # [t, K, R + P] (FP8: bytes)
+        rows = latent_fp8.dequantize_rows(rows, latent, compute) if cache.dtype == torch.uint8 else rows.to(compute)
         scores = (torch.einsum("thr,tkr->thk", q_latent[part].to(compute), rows[..., :latent])
                   + torch.einsum("thp,tkp->thk", q_rope[part].to(compute), rows[..., latent:])) * scale
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
@@ -114,6 +129,181 @@ if triton is not None:
         return acc, row_sum * alpha, new_max
 
     @triton.jit
+    def _picked_rows(indices_ptr, token, stride_index_token, stride_index_pick, rows_base, stride_cache_pos, position,
+                     max_seq, picks, first, chunk, start, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+        """Row pointers [BLOCK_N, 1] of the picks start .. start + BLOCK_N - 1 of the share first .. first + chunk - 1
+        (dense: of the rows) and which of them are visible."""
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = (n < first + chunk) & (n < picks)
+        if SPARSE:
+            j = tl.load(indices_ptr + token * stride_index_token + n * stride_index_pick, mask=n_ok,
+                        other=-1).to(tl.int64)
+        else:
+            j = n.to(tl.int64)
+        j_ok = n_ok & (j >= 0) & (j <= position) & (j < max_seq)
+        return rows_base + j[:, None] * stride_cache_pos, j_ok
+
+    @triton.jit
+    def _latent_columns(rows, c, j_ok, LATENT: tl.constexpr, FP8: tl.constexpr, TILE: tl.constexpr, dtype):
+        """The latent columns ``c`` of a row block [BLOCK_N, len(c)] in ``dtype``; FP8 rows (``latent_fp8``, rows
+        point at bytes): each float8 code times its tile's float32 scale."""
+        mask = j_ok[:, None] & (c < LATENT)[None, :]
+        if FP8:
+            codes = tl.load((rows + c[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0)
+            scales = tl.load((rows + LATENT + (c // TILE)[None, :] * 4).to(tl.pointer_type(tl.float32)), mask=mask,
+                             other=0.0)
+            columns = (codes.to(tl.float32) * scales).to(dtype)
+        else:
+            columns = tl.load(rows + c[None, :], mask=mask, other=0.0)
+        return columns
+
+    @triton.jit
+    def _scores(rows, j_ok, q_pieces, q_rope, value, p, p_ok, qk_scale, LATENT: tl.constexpr,
+                BLOCK_V: tl.constexpr, VALUES: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
+                FP8: tl.constexpr, TILE: tl.constexpr):
+        """Scores (base 2, invisible rows at -inf) of one row block → ([BLOCK_H, BLOCK_N], or [BLOCK_N, BLOCK_H] when
+        ROWS_FIRST), and the block's latent columns of value piece ``value`` [BLOCK_N, BLOCK_V]. Piece k of
+        ``q_pieces`` holds the query columns of value piece (value + k) % VALUES: each latent column is gathered
+        once, the program's own piece serving both the scores and p·V."""
+        c = value * BLOCK_V + tl.arange(0, BLOCK_V)
+        kv = _latent_columns(rows, c, j_ok, LATENT, FP8, TILE, q_rope.dtype)  # [BLOCK_N, BLOCK_V]
+        if ROWS_FIRST:
+            s = tl.dot(kv, q_pieces[0], input_precision=PRECISION)
+        else:
+            s = tl.dot(q_pieces[0], tl.trans(kv), input_precision=PRECISION)
+        for k in tl.static_range(1, VALUES):
+            c = ((value + k) % VALUES) * BLOCK_V + tl.arange(0, BLOCK_V)
+            other = _latent_columns(rows, c, j_ok, LATENT, FP8, TILE, q_rope.dtype)
+            if ROWS_FIRST:
+                s = tl.dot(other, q_pieces[k], acc=s, input_precision=PRECISION)
+            else:
+                s = tl.dot(q_pieces[k], tl.trans(other), acc=s, input_precision=PRECISION)
+        if FP8:  # after the codes and the scales, in bfloat16
+            k_rope = tl.load((rows + LATENT + 4 * (LATENT // TILE) + 2 * p[None, :]).to(tl.pointer_type(tl.bfloat16)),
+                             mask=j_ok[:, None] & p_ok[None, :], other=0.0).to(q_rope.dtype)
+        else:
+            k_rope = tl.load(rows + LATENT + p[None, :], mask=j_ok[:, None] & p_ok[None, :], other=0.0)
+        if ROWS_FIRST:
+            s = tl.dot(k_rope, q_rope, acc=s, input_precision=PRECISION) * qk_scale
+            s = tl.where(j_ok[:, None], s, float("-inf"))
+        else:
+            s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=PRECISION) * qk_scale
+            s = tl.where(j_ok[None, :], s, float("-inf"))
+        return s, kv
+
+    @triton.jit
+    def _accumulate(acc, row_sum, row_max, s, kv, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr):
+        """One row block's scores and latent columns added to the online softmax → (acc, row_sum, row_max)."""
+        if ROWS_FIRST:
+            block_max = tl.max(s, 0)
+        else:
+            block_max = tl.max(s, 1)
+        # Rescale to the new maxima every step (rescaling only past a growth of 2^8, FlashAttention-4's rule,
+        # measured slower: the branch costs the pipelining more). A head without a visible row yet keeps -inf.
+        acc, row_sum, row_max = _rescale(acc, row_sum, row_max, block_max, ROWS_FIRST)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        if ROWS_FIRST:
+            weights = tl.math.exp2(s - shift[None, :])
+            row_sum += tl.sum(weights, 0)
+            acc = tl.dot(tl.trans(kv), weights.to(kv.dtype), acc=acc, input_precision=PRECISION)
+        else:
+            weights = tl.math.exp2(s - shift[:, None])
+            row_sum += tl.sum(weights, 1)
+            acc = tl.dot(weights.to(kv.dtype), kv, acc=acc, input_precision=PRECISION)
+        return acc, row_sum, row_max
+
+    @triton.jit
+    def _latent_attention(
+        q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr, stats_ptr,
+        scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token, stride_qr_head,
+        stride_cache_slot, stride_cache_pos, stride_index_token, stride_index_pick, stride_out_token, stride_out_head,
+        HEADS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, SPARSE: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, VALUES: tl.constexpr, AHEAD: tl.constexpr, FP8: tl.constexpr, TILE: tl.constexpr,
+    ):
+        """One program of the attention: (token, head block, split, value program) from the flat program id."""
+        # One flat grid, value pieces fastest, then head blocks: the programs that gather the same rows run side by
+        # side (L2 hits).
+        BLOCK_V: tl.constexpr = BLOCK_R // VALUES
+        program = tl.program_id(0)
+        value = program % VALUES  # this program's output columns: value * BLOCK_V .. + BLOCK_V - 1
+        program = program // VALUES
+        head_block = program % HEAD_BLOCKS
+        split = (program // HEAD_BLOCKS) % splits
+        token = (program // (HEAD_BLOCKS * splits)).to(tl.int64)
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        position = tl.load(positions_ptr + token).to(tl.int64)
+        first = split * chunk  # this program's share of the picks (dense: of the rows): first .. first + chunk - 1
+        h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        p = tl.arange(0, BLOCK_P)
+        h_ok = h < HEADS
+        p_ok = p < ROPE
+        q_pieces = ()  # the query's latent columns, value piece by value piece from this program's own
+        for k in tl.static_range(VALUES):
+            c = ((value + k) % VALUES) * BLOCK_V + tl.arange(0, BLOCK_V)
+            q_piece = tl.load(q_latent_ptr + token * stride_ql_token + h[:, None] * stride_ql_head + c[None, :],
+                              mask=h_ok[:, None] & (c < LATENT)[None, :], other=0.0)
+            if ROWS_FIRST:  # scores [rows, heads] and the sum transposed: the queries stay in shared memory
+                q_piece = tl.trans(q_piece)
+            q_pieces = q_pieces + (q_piece,)
+        q_rope = tl.load(q_rope_ptr + token * stride_qr_token + h[:, None] * stride_qr_head + p[None, :],
+                         mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+        rows_base = cache_ptr + slot * stride_cache_slot
+        qk_scale = scale * 1.4426950408889634  # scores in base 2: exp2 below
+        row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_H], tl.float32)
+        if ROWS_FIRST:
+            acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
+            q_rope = tl.trans(q_rope)
+        else:
+            acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+        # Sparse: every pick of the share (any may be visible). Dense: rows first .. position of the share only,
+        # except in the interpreter, which cannot bound a loop by a loaded value: there, the whole share, masked.
+        if SPARSE or INTERPRETED:
+            steps = chunk
+        else:
+            steps = (tl.minimum(tl.minimum(first + chunk, position + 1), max_seq) - first).to(tl.int32)
+        if AHEAD:  # the scores of block i + 1 come before block i's softmax and p·V, whose dots they can overlap
+            rows, j_ok = _picked_rows(indices_ptr, token, stride_index_token, stride_index_pick, rows_base,
+                                      stride_cache_pos, position, max_seq, picks, first, chunk, first, BLOCK_N, SPARSE)
+            s, kv = _scores(rows, j_ok, q_pieces, q_rope, value, p, p_ok, qk_scale, LATENT, BLOCK_V, VALUES,
+                            ROWS_FIRST, PRECISION, FP8, TILE)
+            for offset in range(BLOCK_N, steps, BLOCK_N):
+                rows, j_ok = _picked_rows(indices_ptr, token, stride_index_token, stride_index_pick, rows_base,
+                                          stride_cache_pos, position, max_seq, picks, first, chunk, first + offset,
+                                          BLOCK_N, SPARSE)
+                s_next, kv_next = _scores(rows, j_ok, q_pieces, q_rope, value, p, p_ok, qk_scale, LATENT, BLOCK_V,
+                                          VALUES, ROWS_FIRST, PRECISION, FP8, TILE)
+                acc, row_sum, row_max = _accumulate(acc, row_sum, row_max, s, kv, ROWS_FIRST, PRECISION)
+                s = s_next
+                kv = kv_next
+            acc, row_sum, row_max = _accumulate(acc, row_sum, row_max, s, kv, ROWS_FIRST, PRECISION)
+        else:
+            for offset in range(0, steps, BLOCK_N):
+                rows, j_ok = _picked_rows(indices_ptr, token, stride_index_token, stride_index_pick, rows_base,
+                                          stride_cache_pos, position, max_seq, picks, first, chunk, first + offset,
+                                          BLOCK_N, SPARSE)
+                s, kv = _scores(rows, j_ok, q_pieces, q_rope, value, p, p_ok, qk_scale, LATENT, BLOCK_V, VALUES,
+                                ROWS_FIRST, PRECISION, FP8, TILE)
+                acc, row_sum, row_max = _accumulate(acc, row_sum, row_max, s, kv, ROWS_FIRST, PRECISION)
+        if ROWS_FIRST:
+            acc = tl.trans(acc)
+        c = value * BLOCK_V + tl.arange(0, BLOCK_V)
+        ok = h_ok[:, None] & (c < LATENT)[None, :]
+        if SPLIT:  # this share's unnormalised sum, its max (base 2) and its softmax denominator, for _combine_kernel
+            row = (token * HEADS + h) * splits + split
+            tl.store(part_ptr + row[:, None] * LATENT + c[None, :], acc, mask=ok)
+            stats_ok = h_ok & (h * 0 + value == 0)  # the value programs' maxima and denominators agree (to the rounding
+            # of their score sums, whose pieces each adds from its own): value program 0 writes them
+            tl.store(stats_ptr + row * 2, row_max, mask=stats_ok)
+            tl.store(stats_ptr + row * 2 + 1, row_sum, mask=stats_ok)
+        else:
+            out = tl.where(row_sum[:, None] > 0, acc / row_sum[:, None], 0.0)  # no visible row: zeros
+            tl.store(out_ptr + token * stride_out_token + h[:, None] * stride_out_head + c[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _latent_attention_kernel(
         q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr, stats_ptr,
         scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token, stride_qr_head,
@@ -123,86 +313,33 @@ if triton is not None:
         SPLIT: tl.constexpr, SPARSE: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
-        # One flat grid, head blocks fastest: the programs that gather the same rows run side by side (L2 hits).
-        program = tl.program_id(0)
-        head_block = program % HEAD_BLOCKS
-        split = (program // HEAD_BLOCKS) % splits
-        token = (program // (HEAD_BLOCKS * splits)).to(tl.int64)
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        position = tl.load(positions_ptr + token).to(tl.int64)
-        first = split * chunk  # this program's share of the picks (dense: of the rows): first .. first + chunk - 1
-        h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-        r = tl.arange(0, BLOCK_R)
-        p = tl.arange(0, BLOCK_P)
-        h_ok = h < HEADS
-        r_ok = r < LATENT
-        p_ok = p < ROPE
-        q_latent = tl.load(q_latent_ptr + token * stride_ql_token + h[:, None] * stride_ql_head + r[None, :],
-                           mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-        q_rope = tl.load(q_rope_ptr + token * stride_qr_token + h[:, None] * stride_qr_head + p[None, :],
-                         mask=h_ok[:, None] & p_ok[None, :], other=0.0)
-        rows_base = cache_ptr + slot * stride_cache_slot
-        qk_scale = scale * 1.4426950408889634  # scores in base 2: exp2 below
-        row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        row_sum = tl.zeros([BLOCK_H], tl.float32)
-        if ROWS_FIRST:  # scores [rows, heads] and the sum transposed [R, heads]: the queries stay in shared memory
-            acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
-            q_latent = tl.trans(q_latent)
-            q_rope = tl.trans(q_rope)
-        else:
-            acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-        # Sparse: every pick of the share (any may be visible). Dense: rows first .. position of the share only,
-        # except in the interpreter, which cannot bound a loop by a loaded value: there, the whole share, masked.
-        if SPARSE or INTERPRETED:
-            steps = chunk
-        else:
-            steps = (tl.minimum(tl.minimum(first + chunk, position + 1), max_seq) - first).to(tl.int32)
-        for offset in range(0, steps, BLOCK_N):
-            n = first + offset + tl.arange(0, BLOCK_N)
-            n_ok = (n < first + chunk) & (n < picks)
-            if SPARSE:
-                j = tl.load(indices_ptr + token * stride_index_token + n * stride_index_pick, mask=n_ok,
-                            other=-1).to(tl.int64)
-            else:
-                j = n.to(tl.int64)
-            j_ok = n_ok & (j >= 0) & (j <= position) & (j < max_seq)
-            rows = rows_base + j[:, None] * stride_cache_pos
-            kv = tl.load(rows + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            k_rope = tl.load(rows + LATENT + p[None, :], mask=j_ok[:, None] & p_ok[None, :], other=0.0)
-            if ROWS_FIRST:
-                s = tl.dot(kv, q_latent, input_precision=PRECISION)
-                s = tl.dot(k_rope, q_rope, acc=s, input_precision=PRECISION) * qk_scale
-                s = tl.where(j_ok[:, None], s, float("-inf"))
-                block_max = tl.max(s, 0)
-            else:
-                s = tl.dot(q_latent, tl.trans(kv), input_precision=PRECISION)
-                s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=PRECISION) * qk_scale
-                s = tl.where(j_ok[None, :], s, float("-inf"))
-                block_max = tl.max(s, 1)
-            # Rescale to the new maxima every step (rescaling only past a growth of 2^8, FlashAttention-4's rule,
-            # measured slower: the branch costs the pipelining more). A head without a visible row yet keeps -inf.
-            acc, row_sum, row_max = _rescale(acc, row_sum, row_max, block_max, ROWS_FIRST)
-            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-            if ROWS_FIRST:
-                weights = tl.math.exp2(s - shift[None, :])
-                row_sum += tl.sum(weights, 0)
-                acc = tl.dot(tl.trans(kv), weights.to(kv.dtype), acc=acc, input_precision=PRECISION)
-            else:
-                weights = tl.math.exp2(s - shift[:, None])
-                row_sum += tl.sum(weights, 1)
-                acc = tl.dot(weights.to(kv.dtype), kv, acc=acc, input_precision=PRECISION)
-        if ROWS_FIRST:
-            acc = tl.trans(acc)
-        ok = h_ok[:, None] & r_ok[None, :]
-        if SPLIT:  # this share's unnormalised sum, its max (base 2) and its softmax denominator, for _combine_kernel
-            row = (token * HEADS + h) * splits + split
-            tl.store(part_ptr + row[:, None] * LATENT + r[None, :], acc, mask=ok)
-            tl.store(stats_ptr + row * 2, row_max, mask=h_ok)
-            tl.store(stats_ptr + row * 2 + 1, row_sum, mask=h_ok)
-        else:
-            out = tl.where(row_sum[:, None] > 0, acc / row_sum[:, None], 0.0)  # no visible row: zeros
-            tl.store(out_ptr + token * stride_out_token + h[:, None] * stride_out_head + r[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=ok)
+        _latent_attention(
+            q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr,
+            stats_ptr, scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token,
+            stride_qr_head, stride_cache_slot, stride_cache_pos, stride_index_token, stride_index_pick,
+            stride_out_token, stride_out_head, HEADS, HEAD_BLOCKS, LATENT, ROPE, BLOCK_R, BLOCK_P, BLOCK_H,
+            BLOCK_N, SPLIT, SPARSE, ROWS_FIRST, PRECISION, INTERPRETED, 1, False, False, 1,
+        )
+
+    @triton.jit
+    def _latent_attention_variant_kernel(
+        q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr, stats_ptr,
+        scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token, stride_qr_head,
+        stride_cache_slot, stride_cache_pos, stride_index_token, stride_index_pick, stride_out_token, stride_out_head,
+        HEADS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, SPARSE: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr, VALUES: tl.constexpr, AHEAD: tl.constexpr, FP8: tl.constexpr, TILE: tl.constexpr,
+    ):
+        """``_latent_attention_kernel`` with ``LatentBlocks.values`` programs a share and ``LatentBlocks.ahead``,
+        or over FP8 rows (``FP8``: the cache is bytes, ``latent_fp8``'s layout with ``TILE`` values a scale)."""
+        _latent_attention(
+            q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr,
+            stats_ptr, scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token,
+            stride_qr_head, stride_cache_slot, stride_cache_pos, stride_index_token, stride_index_pick,
+            stride_out_token, stride_out_head, HEADS, HEAD_BLOCKS, LATENT, ROPE, BLOCK_R, BLOCK_P, BLOCK_H,
+            BLOCK_N, SPLIT, SPARSE, ROWS_FIRST, PRECISION, INTERPRETED, VALUES, AHEAD, FP8, TILE,
+        )
 
     @triton.jit
     def _combine_kernel(
@@ -234,7 +371,7 @@ SPLIT_PICKS = 64
 def latent_splits(tokens: int, head_blocks: int, picks: int, device: torch.device) -> int:
     """How many programs share one (token, head block)'s picks: as many as fit the multiprocessors in one wave
     when tokens × head blocks are fewer than them (decode of a few sequences), at least ``SPLIT_PICKS`` picks
-    each; 1 otherwise."""
+    each; 1 otherwise. ``head_blocks``: the programs of a token before splitting (head blocks × value programs)."""
     programs = tokens * head_blocks
     return max(1, min(_multiprocessors(device) // programs, picks // SPLIT_PICKS))
 
@@ -244,10 +381,12 @@ def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, sl
     tokens, heads, latent = q_latent.shape
     if q_rope.dim() != 3 or q_rope.shape[:2] != (tokens, heads):
         raise ValueError(f"q_rope must be [T, H, P] with q_latent's T, H = {tokens}, {heads}; got {tuple(q_rope.shape)}")
-    if cache.dim() != 3 or cache.shape[2] != latent + q_rope.shape[2]:
-        raise ValueError(f"cache must be [sequences, max_seq, R + P] = [.., .., {latent + q_rope.shape[2]}]; "
-                         f"got {tuple(cache.shape)}")
-    if not q_latent.dtype == q_rope.dtype == cache.dtype:
+    fp8 = cache.dtype == torch.uint8
+    width = latent_fp8.row_bytes(latent, q_rope.shape[2]) if fp8 else latent + q_rope.shape[2]
+    if cache.dim() != 3 or cache.shape[2] != width:
+        raise ValueError(f"cache must be [sequences, max_seq, R + P] = [.., .., {width}]"
+                         f"{' (FP8 rows: bytes)' if fp8 else ''}; got {tuple(cache.shape)}")
+    if not q_latent.dtype == q_rope.dtype == (q_latent.dtype if fp8 else cache.dtype):
         raise ValueError(f"q_latent, q_rope and cache must share a dtype; got {q_latent.dtype}, {q_rope.dtype}, "
                          f"{cache.dtype}")
     if slots.shape != (tokens,) or positions.shape != (tokens,):
@@ -262,7 +401,8 @@ def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, sl
 def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, scale: float, indices: torch.Tensor | None = None,
                      splits: int | None = None, *, blocks: LatentBlocks | None = None) -> torch.Tensor:
-    """q_latent [T, H, R], q_rope [T, H, P], cache [sequences, max_seq, R + P] (the call's rows already written),
+    """q_latent [T, H, R], q_rope [T, H, P], cache [sequences, max_seq, R + P] (the call's rows already written;
+    or uint8 FP8 rows of ``latent_fp8``, read as float8 code · scale in the queries' dtype),
     slots / positions [T], indices [T, K] (int32 or int64) or None → [T, H, R]. Triton kernel; visibility as in
     ``latent_attention_reference``. ``splits`` (default ``latent_splits``): programs per (token, head block),
     each over a contiguous share of the picks, then one combining launch; 1 is a single launch. ``blocks``
@@ -282,12 +422,18 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     out = torch.empty(tokens, heads, latent, device=q_latent.device, dtype=q_latent.dtype)
     if tokens == 0:
         return out
-    blocks = blocks or BLOCKS.get(cache.dtype, LatentBlocks())
+    fp8 = cache.dtype == torch.uint8
+    blocks = blocks or BLOCKS.get(q_latent.dtype if fp8 else cache.dtype, LatentBlocks())
     block_h = min(blocks.heads, max(16, triton.next_power_of_2(heads)))
     head_blocks = -(-heads // block_h)
     picks = max_seq if indices is None else indices.shape[1]
+    block_r = max(16, triton.next_power_of_2(latent))
+    values = blocks.values
+    if values < 1 or values & (values - 1) or block_r // values < 16:
+        raise ValueError(f"blocks.values must be a power of 2 that leaves at least 16 of the {block_r} latent columns "
+                         f"to each program; got {values}")
     if splits is None:
-        splits = latent_splits(tokens, head_blocks, picks, q_latent.device)
+        splits = latent_splits(tokens, head_blocks * values, picks, q_latent.device)
     chunk = max(1, -(-picks // max(1, splits) // blocks.rows)) * blocks.rows  # ⌈picks / splits⌉ in whole steps
     splits = max(1, -(-picks // chunk))  # no split without picks
     if splits > 1:
@@ -296,15 +442,19 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     else:
         part = stats = out  # not written
     index = indices if indices is not None else slots  # not read when dense
-    _latent_attention_kernel[(tokens * splits * head_blocks,)](
+    variant = values > 1 or blocks.ahead or fp8
+    kernel = _latent_attention_variant_kernel if variant else _latent_attention_kernel
+    variant_constants = dict(VALUES=values, AHEAD=blocks.ahead, FP8=fp8, TILE=latent_fp8.tile(latent)) if variant \
+        else {}
+    kernel[(tokens * splits * head_blocks * values,)](
         q_latent, q_rope, cache, index, slots, positions, out, part, stats, scale, max_seq, picks, splits, chunk,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), cache.stride(1),
         index.stride(0), index.stride(1) if indices is not None else 1, out.stride(0), out.stride(1),
-        HEADS=heads, HEAD_BLOCKS=head_blocks, LATENT=latent, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(latent)),
+        HEADS=heads, HEAD_BLOCKS=head_blocks, LATENT=latent, ROPE=rope, BLOCK_R=block_r,
         BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=blocks.rows, SPLIT=splits > 1,
         SPARSE=indices is not None, ROWS_FIRST=blocks.rows_first,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=blocks.warps,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", **variant_constants, num_warps=blocks.warps,
         num_stages=blocks.stages if indices is not None else blocks.dense_stages,
     )
     if splits > 1:

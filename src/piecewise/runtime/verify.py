@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.outputs import output_tensors
 from ..capture.state import Call, Phase, probe_call
 from ..frontends.user_frames import chain_text, user_chain
+from ..stored import values
 
 CAUSES = ("Typical causes: a host-side decision frozen at capture (Python reading a value, a kernel configuration "
           "chosen from the token count), an op that reads per-call metadata and is not a splitting op (it was "
@@ -246,7 +247,8 @@ def _compare(runner, inputs: dict[str, Any], static, saved) -> dict[str, tuple[f
         errors[f"output {index}"] = (rel_error(ours, theirs), tolerance(theirs.dtype))
     for name, value in static.items():
         label = name if name.startswith("buffer ") else f"static argument {name!r}"
-        errors[label] = (rel_error(value, expected_static[name]), tolerance(value.dtype))
+        ours, theirs = values(value), values(expected_static[name], value)  # an FP8 cache: as its values
+        errors[label] = (rel_error(ours, theirs), tolerance(theirs.dtype))
     return errors
 
 
