@@ -201,3 +201,4 @@ def test_the_kernel_reads_fp8_rows_as_the_reference_does_under_the_triton_interp
     from test_attention_kernel import run_interpreted
 
     run_interpreted(FP8_KERNEL_CHECK)
+

@@ -30,6 +30,7 @@ class BlockerKind(str, enum.Enum):
     SIDE_STREAM = "side_stream"
     FOREIGN_REGION = "foreign_region"
     OUTPUT_OBJECT = "output_object"
+    MODULE_HOOK = "module_hook"
 
     def __str__(self) -> str:
         return self.value

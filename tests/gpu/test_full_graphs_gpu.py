@@ -181,3 +181,35 @@ def test_a_gpt_fast_model_replays_exact_full_graphs_for_counts_on_the_ladder(fro
     assert full == [0, 1, 1, 1, 0, 1, 1, 0, 1], full
     runner.stats.expect(graph_mode="full_and_piecewise", cuda_graphs=True, full_sizes=[1, 2, 4, 8], full_graphs=4)
     assert runner.stats["replays"] > sum(full)  # the padded counts replayed piecewise graphs
+
+
+class _BatchOfOne(DecodeLlama):
+    """Logits returned as [1, T, V] (transformers' layout), [T, V] beside them in a tuple."""
+
+    def forward(self, input_ids, positions, kv_cache):
+        logits = super().forward(input_ids, positions, kv_cache)
+        return logits[None], logits
+
+
+@pytest.mark.parametrize("frontend", ["breakable", "dynamo"])
+def test_outputs_whose_token_dimension_is_not_the_first_are_cut_after_a_full_replay(frontend):
+    """A full graph's replay runs no front-end: each output is cut along the token dimension recorded at its
+    capture ([1, T, V] to [1, 3, V] from a 4-token graph), and the padding check keeps full graphs for it."""
+    torch.manual_seed(0)
+    model = _BatchOfOne(CONFIG).to("cuda", torch.bfloat16).eval()
+    cache = torch.zeros(CONFIG.num_layers, 2, 16, CONFIG.num_kv_heads, CONFIG.max_seq_len, CONFIG.head_dim,
+                        device="cuda", dtype=torch.bfloat16)
+    reference = cache.clone()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, max_decode_batch=16,
+                                                              frontend=frontend))
+    with torch.no_grad():
+        for batch in (5, 3, 7, 1):
+            ids = torch.randint(0, 256, (batch,), device="cuda")
+            positions = torch.randint(0, CONFIG.max_seq_len, (batch,), device="cuda")
+            replays = runner.stats["full_replays"]
+            batched, flat = runner(ids, positions, cache)
+            want_batched, want_flat = model(ids, positions, reference)
+            assert batched.shape == (1, batch, CONFIG.vocab_size) and flat.shape == (batch, CONFIG.vocab_size)
+            assert rel_error(batched, want_batched) <= 1e-2 and rel_error(flat, want_flat) <= 1e-2, batch
+            if batch != 5:
+                assert runner.stats["full_replays"] == replays + 1, dict(runner.stats)

@@ -90,6 +90,11 @@ FIXES: dict[str, str] = {
         "cache use piecewise.generate, or integrations.token_model.TokenModel(integrations.transformers.enable(model)) "
         "with a cache from its make_kv_cache."
     ),
+    "module_hook": (
+        "Dynamo traces the compiled module's forward, not its call: hooks on the module itself (and global module "
+        "hooks) would not run. Register the hook on a submodule, apply it to the runner's output, or use "
+        "CaptureConfig(frontend='breakable') (frontend='auto' takes it), which runs the module's call."
+    ),
     "side_stream": (
         "Dynamo's trace of this torch keeps the forward's side streams as objects the graph cannot be split around. "
         "Use CaptureConfig(frontend='breakable') (frontend='auto' takes it), which joins a side stream left open at "

@@ -66,7 +66,17 @@ class DynamoFrontend:
         return resolve_splitting_ops(self.config.splitting_ops)
 
     def prepare(self, rehearse: Callable[[Any], Any], tokens: int) -> None:
-        """Nothing before the padding check: its first run traces."""
+        """Refuse hooks on the compiled module itself (the trace is of its forward, which its call wraps);
+        nothing else before the padding check: its first run traces."""
+        from ..runtime.hooks import top_level_hooks  # runtime imports the front-ends
+
+        hooks = top_level_hooks(self.tracer.method.__self__)
+        if hooks:
+            raise ForwardRefused(
+                f"piecewise: the compiled module has Python hooks around its call ({'; '.join(hooks[:3])}), which "
+                f"Dynamo's trace of its forward would leave out. Register them on a submodule, apply them to the "
+                f"runner's output, or use CaptureConfig(frontend='breakable') (frontend='auto' takes it).",
+                "module_hook")
 
     def run(self, arguments: dict[str, Any]) -> Any:
         """The forward on ``arguments`` (staged for a padded call) for ``state.call``."""

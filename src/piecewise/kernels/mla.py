@@ -144,15 +144,28 @@ if triton is not None:
         return rows_base + j[:, None] * stride_cache_pos, j_ok
 
     @triton.jit
-    def _latent_columns(rows, c, j_ok, LATENT: tl.constexpr, FP8: tl.constexpr, TILE: tl.constexpr, dtype):
-        """The latent columns ``c`` of a row block [BLOCK_N, len(c)] in ``dtype``; FP8 rows (``latent_fp8``, rows
-        point at bytes): each float8 code times its tile's float32 scale."""
+    def _latent_columns(rows, piece, j_ok, LATENT: tl.constexpr, BLOCK_V: tl.constexpr, FP8: tl.constexpr,
+                        TILE: tl.constexpr, dtype):
+        """Latent columns ``piece`` · BLOCK_V .. + BLOCK_V - 1 of a row block → [BLOCK_N, BLOCK_V] in ``dtype``; FP8
+        rows (``latent_fp8``, rows point at bytes): each float8 code times its tile's float32 scale, the scales
+        loaded one per tile and row (not per value: a [rows, columns] float32 gather would take more shared memory
+        in flight than the rows themselves)."""
+        c = piece * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = j_ok[:, None] & (c < LATENT)[None, :]
         if FP8:
             codes = tl.load((rows + c[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0)
-            scales = tl.load((rows + LATENT + (c // TILE)[None, :] * 4).to(tl.pointer_type(tl.float32)), mask=mask,
-                             other=0.0)
-            columns = (codes.to(tl.float32) * scales).to(dtype)
+            codes = codes.to(tl.float32)
+            scale_ptr = (rows + LATENT).to(tl.pointer_type(tl.float32))  # [BLOCK_N, 1]
+            if TILE >= LATENT or BLOCK_V <= TILE:  # the piece lies in one tile: one scale a row
+                scale = tl.load(scale_ptr + (piece * BLOCK_V) // TILE, mask=j_ok[:, None], other=0.0)
+                values = codes * scale
+            else:  # BLOCK_V / TILE whole tiles (both powers of 2)
+                tiles = (piece * BLOCK_V) // TILE + tl.arange(0, BLOCK_V // TILE)
+                scale = tl.load(scale_ptr + tiles[None, :], mask=j_ok[:, None] & (tiles < LATENT // TILE)[None, :],
+                                other=0.0)  # [BLOCK_N, BLOCK_V // TILE]
+                values = tl.reshape(tl.reshape(codes, [codes.shape[0], BLOCK_V // TILE, TILE]) * scale[:, :, None],
+                                    [codes.shape[0], BLOCK_V])
+            columns = values.to(dtype)
         else:
             columns = tl.load(rows + c[None, :], mask=mask, other=0.0)
         return columns
@@ -165,15 +178,13 @@ if triton is not None:
         ROWS_FIRST), and the block's latent columns of value piece ``value`` [BLOCK_N, BLOCK_V]. Piece k of
         ``q_pieces`` holds the query columns of value piece (value + k) % VALUES: each latent column is gathered
         once, the program's own piece serving both the scores and p·V."""
-        c = value * BLOCK_V + tl.arange(0, BLOCK_V)
-        kv = _latent_columns(rows, c, j_ok, LATENT, FP8, TILE, q_rope.dtype)  # [BLOCK_N, BLOCK_V]
+        kv = _latent_columns(rows, value, j_ok, LATENT, BLOCK_V, FP8, TILE, q_rope.dtype)  # [BLOCK_N, BLOCK_V]
         if ROWS_FIRST:
             s = tl.dot(kv, q_pieces[0], input_precision=PRECISION)
         else:
             s = tl.dot(q_pieces[0], tl.trans(kv), input_precision=PRECISION)
         for k in tl.static_range(1, VALUES):
-            c = ((value + k) % VALUES) * BLOCK_V + tl.arange(0, BLOCK_V)
-            other = _latent_columns(rows, c, j_ok, LATENT, FP8, TILE, q_rope.dtype)
+            other = _latent_columns(rows, (value + k) % VALUES, j_ok, LATENT, BLOCK_V, FP8, TILE, q_rope.dtype)
             if ROWS_FIRST:
                 s = tl.dot(other, q_pieces[k], acc=s, input_precision=PRECISION)
             else:

@@ -39,6 +39,9 @@ class FullGraphs:
         self.ops: list = []  # OpaqueOpInfo of every splitting op the model calls
         self.graphs: dict[int, Segment] = {}
         self.outputs: dict[int, Any] = {}
+        self.output_dims: dict[int, dict[int, int | None]] = {}
+        """Per size, the token dimension of each captured output (by the id of ``outputs``' tensors), as the
+        front-end gave it at capture: a replay runs no front-end, and ``finish`` cuts by it ([1, T, V] logits)."""
         self.mask: torch.Tensor | None = None
         self.masks: dict[int, torch.Tensor] = {}
         self.positions: torch.Tensor | None = None
@@ -118,7 +121,7 @@ class FullGraphs:
         self.mode = self.runner.stats.graph_mode = "piecewise"
         self.runner.stats.graph_mode_reason = reason
         self.runner.stats.full_sizes = []
-        self.top, self._sizes, self._ladder_sizes, self.graphs, self.outputs = 0, [], -1, {}, {}
+        self.top, self._sizes, self._ladder_sizes, self.graphs, self.outputs, self.output_dims = 0, [], -1, {}, {}, {}
 
     # --- per call --------------------------------------------------------------------------------------------
 
@@ -145,6 +148,7 @@ class FullGraphs:
         graph = self.graphs.get(size)
         if graph is not None:
             runner.state.token_outputs.clear()
+            runner.state.token_outputs.update(self.output_dims[size])
             graph.replay()
             runner.stats.full_replays += 1
             runner.stats.replays += 1
@@ -178,7 +182,16 @@ class FullGraphs:
                 return
             segment.replay()
             self.graphs[size] = segment
-            self.outputs[size] = map_tensors(output, _compat.non_owning_alias)
+            dims, kept = state.token_outputs, {}
+
+            def keep(tensor: torch.Tensor, dims=dims, kept=kept) -> torch.Tensor:
+                alias = _compat.non_owning_alias(tensor)
+                if id(tensor) in dims:
+                    kept[id(alias)] = dims[id(tensor)]
+                return alias
+
+            self.outputs[size] = map_tensors(output, keep)
+            self.output_dims[size] = kept
             advance()
         runner.stats.full_graphs = len(self.graphs)
 
@@ -197,6 +210,7 @@ class FullGraphs:
     def release(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
+        self.output_dims.clear()
         self.runner.stats.full_graphs = 0
 
 
@@ -214,7 +228,7 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
     saved = snapshot(runner, arguments)
     try:
         padded = full.run(arguments, tokens, size, rehearsal=True)
-        padded = map_tensors(padded, lambda t: t[:tokens].clone() if t.dim() and t.shape[0] == size else t.clone())
+        padded = runner.finish(padded, tokens, size, clone=True)  # each output cut along its own token dimension
     except Exception as exc:  # noqa: BLE001 - an op refusing the padded rows (FullGraphRefused, its own check)
         full.refuse(f"the forward padded from {tokens} to {size} tokens for a full graph fails: {exc}")
         return

@@ -3,7 +3,7 @@
 - The global state the kernels were captured under: autocast (on, off, its dtype), the default dtype, TF32 and
   reduced-precision reductions, deterministic algorithms (Dynamo's own global-state guard, a fraction of a
   microsecond). A change of the thread count changes no kernel and is taken as it is.
-- The model's train/eval mode.
+- The model's train/eval mode, and its Python forward hooks (``hooks.HookState``: added or removed since).
 - Each argument's kind: a tensor's dtype, device and layout (a static tensor's shape and strides too, since the
   graphs read it in place; a token tensor's sizes but its token dimension's, since its buffers have the first
   call's), a Python argument's value (numbers, strings, flags, None). Any other object, where
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from .hooks import HookState
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
@@ -43,6 +44,7 @@ class CallGuard:
         """(argument name, shape tokens-first) → the shape in the argument's own layout, for messages."""
         self.global_state: Any = None
         self.training: bool | None = None
+        self.hooks: HookState | None = None
         self.expected: dict[str, tuple] = {}
         self.warned: set[str] = set()
 
@@ -51,6 +53,7 @@ class CallGuard:
         objects by their fields (the graphs read what they held at capture), not by identity."""
         self.global_state = _compat.global_state_guard()
         self.training = self.model.training
+        self.hooks = HookState(self.model)
         self.expected = {name: _kind(value, name in token_names, deep) for name, value in arguments.items()
                          if value is not None}
 
@@ -66,6 +69,9 @@ class CallGuard:
             else:
                 return f"the global state changed since the first call ({reason}: autocast, the default dtype, " \
                        f"TF32 or deterministic algorithms)"
+        hooks = self.hooks.change()
+        if hooks is not None:
+            return hooks
         if self.model.training is not self.training:
             return f"the model is in {'train' if self.model.training else 'eval'} mode now and was in " \
                    f"{'train' if self.training else 'eval'} mode at the first call"

@@ -5,6 +5,11 @@ rows, not the call's), and, once graphs replay, not at all with the breakable fr
 Dynamo, replayed from its trace (a tensor it keeps lives in graph memory that the next call overwrites). A hook
 that only changes its module's output is captured as it ran, and is right. Which kind a hook is cannot be told from
 outside: the first call warns once, naming them.
+
+Hooks added or removed after the first call are not in the graphs (nor in Dynamo's trace: torch does not guard
+module hooks by default): ``HookState`` sees the change and ``CallGuard`` sends such calls to the model's own
+forward, which runs them. Hooks on the compiled module itself never run inside a Dynamo trace of its forward
+(``top_level_hooks``: the Dynamo front-end refuses them).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import warnings
 
 import torch
 from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
 
 from ..frontends.user_frames import caller_stacklevel
 from .layout import inner
@@ -49,3 +55,53 @@ def _quiet(hook) -> bool:
 
 def _name(hook) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def _tables(model: torch.nn.Module) -> list[tuple[str, dict]]:
+    """(where, hook table) of every module's forward pre-hooks and hooks, and the global ones."""
+    tables = [(f"{name or 'the model'} ({kind})", getattr(module, f"_{kind}s")) for name, module in model.named_modules()
+              for kind in ("forward_pre_hook", "forward_hook")]
+    return tables + [("every module (forward_pre_hook)", module_hooks._global_forward_pre_hooks),
+                     ("every module (forward_hook)", module_hooks._global_forward_hooks)]
+
+
+def _hooks(tables: list[tuple[str, dict]]) -> dict[tuple[str, int], str]:
+    return {(where, key): _name(hook) for where, table in tables for key, hook in table.items()}
+
+
+class HookState:
+    """The model's Python forward hooks at the first call; ``change()`` names those added or removed since, or None.
+
+    Cheap where nothing changed: torch's handle counter (``RemovableHandle.next_id``) moves at every registration
+    anywhere, and only the tables that held hooks at the first call (and the global ones) can lose one; the
+    modules are walked again only when either moved (a tensor hook registered elsewhere walks them once)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = inner(model)
+        self.first = _hooks(_tables(self.model))
+        self.counter = RemovableHandle.next_id
+        self.watched = [table for where, table in _tables(self.model) if table or where.startswith("every module")]
+        self.size = sum(map(len, self.watched))
+
+    def change(self) -> str | None:
+        if RemovableHandle.next_id == self.counter and sum(map(len, self.watched)) == self.size:
+            return None
+        now = _hooks(_tables(self.model))
+        if now == self.first:
+            self.counter = RemovableHandle.next_id
+            return None
+        added = [f"{where}: {name}" for (where, key), name in now.items() if (where, key) not in self.first]
+        removed = [f"{where}: {name}" for (where, key), name in self.first.items() if (where, key) not in now]
+        listed = "; ".join([*(f"added {a}" for a in added[:3]), *(f"removed {r}" for r in removed[:3])])
+        return f"the model's Python forward hooks changed since the first call ({listed})"
+
+
+def top_level_hooks(model: torch.nn.Module) -> list[str]:
+    """Hooks that run around the compiled module's own call (its pre-hooks and hooks, the global ones), named;
+    none behind a ``TokensFirst``, whose forward calls the user's module (its hooks inside the trace)."""
+    if inner(model) is not model:
+        return []
+    tables = [("the model", model._forward_pre_hooks), ("the model", model._forward_hooks),
+              ("every module", module_hooks._global_forward_pre_hooks),
+              ("every module", module_hooks._global_forward_hooks)]
+    return [f"{where}: {_name(hook)}" for where, table in tables for hook in table.values() if not _quiet(hook)]

@@ -66,16 +66,21 @@ class PiecewiseModel(Core):
         self.last_arguments = arguments
         # Inference semantics for everything piecewise runs, whatever the caller's grad mode: no autograd graph,
         # and piecewise's buffers are inference tensors that every later call may write. The outputs are copied
-        # outside, so that the caller gets ordinary tensors.
-        with self.watch, torch.inference_mode():
+        # outside, so that the caller gets ordinary tensors. A call the graphs cannot serve runs the model's own
+        # forward as the caller called it (their grad mode: ordinary tensors, as eager gives).
+        with self.watch:
+            with torch.inference_mode():
+                difference = self.guard.difference(arguments) if self._prepared else None
+            if difference is not None:
+                self.guard.warn_once(difference)
+                self.stats.eager_calls += 1
+                return self.model(**arguments)
+            return self._serve(arguments, tokens)
+
+    def _serve(self, arguments: dict[str, Any], tokens: int) -> Any:
+        with torch.inference_mode():
             if not self._prepared:
                 self._prepare(arguments)
-            else:
-                difference = self.guard.difference(arguments)
-                if difference is not None:
-                    self.guard.warn_once(difference)
-                    self.stats.eager_calls += 1
-                    return self.finish(self.model(**arguments), tokens, tokens)
             full = self.full.bucket(tokens) if self.full.sizes else None
             size = full if full is not None else self.ladder.bucket(tokens)
             if full is not None:
