@@ -208,10 +208,11 @@ def main() -> int:
             "triton": __import__("triton").__version__, "device": torch.cuda.get_device_name(),
             "copy_bandwidth_GBps": round(bandwidth / 1e9), "blocks": dataclasses.asdict(blocks),
             "command": "PYTHONPATH=src python benchmarks/mla_attention.py " + " ".join(sys.argv[1:])}
+    row = latent_fp8.row_bytes(LATENT, ROPE) if FP8 else (LATENT + ROPE) * 2  # bytes a cache row
     lines = ["# MLA attention over a latent cache (GLM-5: 64 heads, R=512, P=64, bf16)", "",
              *(f"- {k}: {v}" for k, v in meta.items()), "",
-             ("µs per call (CUDA graph replay, median); bytes = visible picked rows × 1152 + q + out; "
-              "% of 4.8 TB/s and of the measured copy bandwidth"), "",
+             f"µs per call (CUDA graph replay, median); bytes = visible picked rows × {row} + q + out; "
+             "% of 4.8 TB/s and of the measured copy bandwidth", "",
              ("| kind | B | tokens | context | mode | splits | µs | MB read | GB/s | of 4.8 TB/s | of copy | TFLOP/s "
               "| rel. error |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['kind']} | {r['batch']} | {r['tokens']} | {r['context']} | {r['mode']} | {r['splits']} | "
