@@ -35,7 +35,8 @@ class Roles:
     """Per output (a single output is output 0): whether dimension 0 is the token dimension. None: decided by the
     output's shape at the first call (no better knowledge: Dynamo's trace after a graph break)."""
     written: tuple[int, ...] = ()
-    """Inputs the body writes in place: the pad rows of those that carry tokens are zeroed after it."""
+    """Inputs the body writes in place: the pad rows of those that carry tokens are zeroed after it (not in static
+    tensors: rows there past the call's are the model's state)."""
     fixed: tuple[tuple[int, int], ...] = ()
     """(input, value) of each Python int seen to be the same at two token counts (breakable's survey): checked at
     every padded size, since a graph would give the op the value of its capture's size."""
@@ -89,9 +90,11 @@ class SplitCall:
         if state.probe is not None and self.probed:
             probe_call(state, list(real))
         result = self.body(real)
-        if rows != size:
+        if rows != size:  # a staged input's pad rows back to zero; a static tensor's rows past the call are the
+            # model's state, which eager leaves as they are (``buf[:T] = x`` writes T rows)
+            static = state.static_storages
             for index, dim in roles.inputs:
-                if index in roles.written:
+                if index in roles.written and args[index].untyped_storage().data_ptr() not in static:
                     args[index].narrow(dim, rows, size - rows).zero_()
         return self._stage(result, rows, size, args, roles)
 

@@ -33,7 +33,7 @@ from ..opaque import captured_whole, opaque_op_info
 from .breakable_outside import OutsideTensors, refuse_python_values
 from .breakable_regions import inside_region, watching_regions
 from .breakable_steps import Recording, Step, storage, written_indices
-from .breakable_survey import Observed, OpLog, shapes
+from .breakable_survey import Observed, OpLog, offsets, shapes
 from .user_frames import chain_text, user_chain
 
 
@@ -260,7 +260,7 @@ class Interceptor(TorchDispatchMode):
         result = call(*args, **kwargs)
         leaves = tree_flatten((args, kwargs))[0]
         outputs = [result] if isinstance(result, torch.Tensor) or result is None else list(result)
-        self.survey[key] = Observed(shapes(leaves), shapes(outputs), _line())
+        self.survey[key] = Observed(shapes(leaves), shapes(outputs), _line(), offsets(leaves))
         return result
 
     def _inline(self, func, args: tuple, kwargs: dict) -> Any:

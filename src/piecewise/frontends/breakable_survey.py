@@ -28,6 +28,12 @@ class Observed:
     inputs: list[Any]
     outputs: list[Any]
     where: str
+    offsets: list[Any] = field(default_factory=list)
+    """Each input tensor's storage offset (None for other values): where a write lands in a static tensor."""
+
+
+def offsets(values: list[Any]) -> list[Any]:
+    return [v.storage_offset() if isinstance(v, torch.Tensor) else None for v in values]
 
 
 def shapes(values: list[Any]) -> list[Any]:
@@ -59,6 +65,14 @@ class Survey:
                 if isinstance(x, tuple) and isinstance(y, tuple):
                     dims = _follow(x, y, a, b, f"input {index} of `{key[1]}` at {seen_a.where}")
                     inputs.extend((index, d) for d in dims)
+                    if dims and key[0] == "write" and seen_a.offsets[index:index + 1] != seen_b.offsets[index:index + 1]:
+                        raise ForwardRefused(
+                            f"piecewise: `{key[1]}` at {seen_a.where} writes the call's rows into a static tensor at "
+                            f"a place that moves with the token count (element {seen_a.offsets[index]} at {a} tokens, "
+                            f"{seen_b.offsets[index]} at {b}: mem[-T:] = x, narrow from the end). Every call is padded "
+                            f"to a capture size, so the rows would land where the padded count puts them. Write at "
+                            f"positions given as a tensor argument (index_copy_), or make that code a splitting op "
+                            f"(piecewise.opaque_op(..., split=True)), which sees the real count.", "token_mixing")
                 elif type(x) is int and type(y) is int and x != y:
                     counts.append((index, _affine(x, y, a, b, f"`{key[1]}` at {seen_a.where}")))
                 elif type(x) is int and type(y) is int:

@@ -294,3 +294,34 @@ def call_tokens(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     """The tokens of a call of ``model`` as a runner with the default token arguments counts them."""
     binder = Arguments(model, None)
     return binder.token_count(binder.take(tuple(args), dict(kwargs)))
+
+
+def other_token_dims(taken: Arguments, arguments: dict[str, Any], tokens: int) -> str:
+    """A hint naming the static tensor arguments with a dimension past the first as long as the call's tokens
+    (vLLM's M-RoPE positions [3, T]): likely token arguments in another layout."""
+    found = {name: next(d for d in range(1, value.dim()) if value.shape[d] == tokens)
+             for name, value in arguments.items() if isinstance(value, torch.Tensor)
+             and name not in taken.dynamic and tokens in tuple(value.shape)[1:]}
+    if not found:
+        return ""
+    named = {**{name: taken.moved.get(name, 0) for name in taken.dynamic}, **found}
+    shapes = ", ".join(f"{name!r} has shape {tuple(arguments[name].shape)}" for name in found)
+    return f" Here {shapes}: if that dimension carries the tokens, name it: dynamic={named}."
+
+
+def nested_rows(arguments: dict[str, Any], tokens: int) -> list[str]:
+    """Tensors with ``tokens`` rows held inside non-tensor arguments (a dataclass, a dict, a list, an object's
+    attributes: SGLang's ForwardBatch, vLLM's attention metadata), as ``argument.field``."""
+    found = []
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor) or value is None:
+            continue
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, (list, tuple)):
+            items = enumerate(value)
+        else:
+            items = vars(value).items() if hasattr(value, "__dict__") and not isinstance(value, type) else ()
+        found += [f"{name}.{key}" if not isinstance(key, int) else f"{name}[{key}]" for key, item in items
+                  if isinstance(item, torch.Tensor) and item.dim() > 0 and item.shape[0] == tokens]
+    return found

@@ -22,9 +22,10 @@ from ..capture.outputs import output_tensors, unmapped_leaves
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused, first_line
+from ..stored import values
+from .arguments import nested_rows, other_token_dims
 from .core import Core
 from .full_graphs import restore, snapshot
-from ..stored import values
 from .verify import rel_error, tolerance
 
 logger = logging.getLogger(__name__)
@@ -178,31 +179,46 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
     given = core.arguments.given_tokens(arguments)
     rows = min(arguments[given[0]].shape[0], sizes[0] - 1)
     first = RandomState()
-    want = _compared(_padded_run(core, arguments, given, rows, sizes[0], copies=False))
+    saved = snapshot(core, arguments)  # the state the runs write (rows at an offset from the end, a count kept)
+
+    def run(size: int) -> tuple[list[Any], list[torch.Tensor]]:
+        restore(saved)
+        output = _compared(_padded_run(core, arguments, given, rows, size, copies=False))
+        return output, [tensor.clone() for tensor, _, _ in saved or ()]
+
+    want, want_state = run(sizes[0])
     draws = not first.same(RandomState())
     first.restore()
     if draws:
         return
-    got = _compared(_padded_run(core, arguments, given, rows, sizes[1], copies=False))
+    got, got_state = run(sizes[1])
     first.restore()
     index = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same([a], [b])), None)
-    if index is None:
+    state = next((i for i, (a, b) in enumerate(zip(got_state, want_state))
+                  if not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
+    if index is None and state is None:
         return
-    again = _compared(_padded_run(core, arguments, given, rows, sizes[0], copies=False))  # the first run repeated
+    again, again_state = run(sizes[0])  # the first run repeated
     first.restore()
-    if not _same(again, want):
+    if not (_same(again, want) and _same(again_state, want_state)):
         logger.info("piecewise: the forward gives other results on a repeat of the same padded run; the check of "
                     "the token count is left out")
         return
-    difference = _difference(got[index], want[index])[0]
+    if index is None:
+        got, want, index = [values(t, saved[state][0]) for t in got_state], [
+            values(t, saved[state][0]) for t in want_state], state
+        what = f"what it writes into {saved[state][2]}"
+        causes = "rows written at an offset from the end (mem[-T:] = x), the count kept (buf.fill_(x.shape[0]))"
+    else:
+        what = f"output {index} ({_what(want[index])})"
+        causes = "a division by x.shape[0], arange(T) counted from the end, the count returned or kept, rows read " \
+                 "at an offset from the end (x.roll(k, 0), x[-k])"
     raise ForwardRefused(
-        f"piecewise: the forward takes the token count for a value: with {rows} real token(s), output "
-        f"{index} ({_what(want[index])}) differs by {difference:.1e} (relative) between padding to {sizes[0]} and "
-        f"to {sizes[1]} tokens. Every call is padded to a capture size, so such code sees the padded count: "
-        f"a division by x.shape[0], arange(T) counted from the end, the count returned or kept, or rows "
-        f"read at an offset from the end (x.roll(k, 0), x[-k]). Give the count as an argument (a tensor), "
-        f"or make that code a splitting op (piecewise.opaque_op(..., split=True)), which sees the real "
-        f"count and rows.",
+        f"piecewise: the forward takes the token count for a value: with {rows} real token(s), {what} differs by "
+        f"{_difference(got[index], want[index])[0]:.1e} (relative) between padding to {sizes[0]} and to "
+        f"{sizes[1]} tokens. Every call is padded to a capture size, so such code sees the padded count: {causes}. "
+        f"Give the count or the positions as a tensor argument, or make that code a splitting op "
+        f"(piecewise.opaque_op(..., split=True)), which sees the real count and rows.",
         "token_mixing", [])
 
 
@@ -230,7 +246,7 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)):
         return  # (a trace's error where the model's own forward takes the rows is the trace's: propagated below)
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
-    nested = _nested_rows(arguments, tokens)
+    nested = nested_rows(arguments, tokens)
     if nested:  # they are the cause: their rows stayed the first call's (eager may even broadcast them)
         refusal = (f"{first_line(error)}. Tensors inside an argument do not carry tokens, only tensor arguments of "
                    f"forward do: {', '.join(nested)} kept the first call's {tokens} rows. Pass them as arguments of "
@@ -259,40 +275,9 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         f"from a call: per-token metadata (a position, a cache slot, a sequence index per token) does; per-sequence "
         f"lengths or cumulative offsets that must add up to the call's rows do not. Pass per-token arguments and "
         f"derive what a kernel needs inside a splitting op (piecewise.opaque_op(..., split=True)), which sees the "
-        f"real rows." + _other_token_dims(core, arguments, tokens),
+        f"real rows." + other_token_dims(core.arguments, arguments, tokens),
         "token_layout",
     ) from error
-
-
-def _other_token_dims(core: Core, arguments: dict[str, Any], tokens: int) -> str:
-    """A hint naming the static tensor arguments with a dimension past the first as long as the call's tokens
-    (vLLM's M-RoPE positions [3, T]): likely token arguments in another layout."""
-    found = {name: next(d for d in range(1, value.dim()) if value.shape[d] == tokens)
-             for name, value in arguments.items() if isinstance(value, torch.Tensor)
-             and name not in core.arguments.dynamic and tokens in tuple(value.shape)[1:]}
-    if not found:
-        return ""
-    named = {**{name: core.arguments.moved.get(name, 0) for name in core.arguments.dynamic}, **found}
-    shapes = ", ".join(f"{name!r} has shape {tuple(arguments[name].shape)}" for name in found)
-    return f" Here {shapes}: if that dimension carries the tokens, name it: dynamic={named}."
-
-
-def _nested_rows(arguments: dict[str, Any], tokens: int) -> list[str]:
-    """Tensors with ``tokens`` rows held inside non-tensor arguments (a dataclass, a dict, a list, an object's
-    attributes: SGLang's ForwardBatch, vLLM's attention metadata), as ``argument.field``."""
-    found = []
-    for name, value in arguments.items():
-        if isinstance(value, torch.Tensor) or value is None:
-            continue
-        if isinstance(value, dict):
-            items = value.items()
-        elif isinstance(value, (list, tuple)):
-            items = enumerate(value)
-        else:
-            items = vars(value).items() if hasattr(value, "__dict__") and not isinstance(value, type) else ()
-        found += [f"{name}.{key}" if not isinstance(key, int) else f"{name}[{key}]" for key, item in items
-                  if isinstance(item, torch.Tensor) and item.dim() > 0 and item.shape[0] == tokens]
-    return found
 
 
 def check_one_token(core: Core, arguments: dict[str, Any]) -> None:
