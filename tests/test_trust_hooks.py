@@ -153,3 +153,42 @@ def test_outputs_with_the_tokens_in_dimension_1_keep_full_graphs(frontend):
             assert got.shape == want.shape
             torch.testing.assert_close(got, want)
     assert runner.stats["full_sizes"], dict(runner.stats)
+
+
+class Biased(TinyLlama):
+    def forward(self, input_ids, positions, kv_cache, logit_bias=None):
+        logits = super().forward(input_ids, positions, kv_cache)
+        return logits if logit_bias is None else logits + logit_bias
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_an_optional_tensor_first_given_later_may_be_a_new_tensor_on_every_call(frontend):
+    """A per-request logit bias absent at the first call: calls with it run the model's own forward (no graph
+    reads it), so each may pass another tensor."""
+    torch.manual_seed(0)
+    model = Biased(CONFIG).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend, cache_dir=None))
+    ours, theirs = model.make_kv_cache(), model.make_kv_cache()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner(torch.arange(5), torch.arange(5), ours)
+        model(torch.arange(5), torch.arange(5), theirs)
+        for start, bias in ((5, 0.0), (7, 1.0), (9, -2.0)):
+            bias = torch.full((CONFIG.vocab_size,), bias)
+            got = runner(torch.arange(2), torch.arange(start, start + 2), ours, logit_bias=bias)
+            torch.testing.assert_close(got, model(torch.arange(2), torch.arange(start, start + 2), theirs, bias))
+
+
+class Sampling(TinyLlama):
+    def forward(self, input_ids, positions, kv_cache):
+        logits = super().forward(input_ids, positions, kv_cache)
+        return logits + torch.rand_like(logits)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_forward_that_draws_random_numbers_is_named_in_a_warning(frontend):
+    torch.manual_seed(0)
+    model = Sampling(CONFIG).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend, cache_dir=None))
+    with torch.no_grad(), pytest.warns(UserWarning, match="draws random numbers.*moves on by the padded count"):
+        runner(torch.arange(5), torch.arange(5), model.make_kv_cache())

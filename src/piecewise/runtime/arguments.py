@@ -227,7 +227,7 @@ class Arguments:
     def check_static(self, arguments: dict[str, Any]) -> None:
         for name, pointer in self.static_ptrs.items():
             value = arguments.get(name)
-            if value is None and name in self.late:
+            if name in self.late:  # no graph reads it: calls with it differ from the first and run eagerly
                 continue
             if not isinstance(value, torch.Tensor):
                 given = "not given" if name not in arguments else f"a {type(value).__name__}"

@@ -22,6 +22,7 @@ from ..capture.outputs import output_tensors, unmapped_leaves
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused, first_line
+from ..frontends.user_frames import caller_stacklevel
 from ..stored import values
 from .arguments import nested_rows, other_token_dims
 from .core import Core
@@ -190,6 +191,12 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
     draws = not first.same(RandomState())
     first.restore()
     if draws:
+        warnings.warn(
+            "piecewise: the forward draws random numbers. A padded call draws them for its padded rows, so each "
+            "call's rows are as random as eager's, but the generator moves on by the padded count: after "
+            "torch.manual_seed, a sequence of calls samples other numbers than the same calls run eagerly. Sample "
+            "outside forward, or from a generator passed to each call, where runs must repeat eager's.",
+            stacklevel=caller_stacklevel())
         return
     got, got_state = run(sizes[1])
     first.restore()
