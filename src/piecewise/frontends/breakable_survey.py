@@ -65,7 +65,7 @@ class Survey:
                 if isinstance(x, tuple) and isinstance(y, tuple):
                     dims = _follow(x, y, a, b, f"input {index} of `{key[1]}` at {seen_a.where}")
                     inputs.extend((index, d) for d in dims)
-                    if dims and key[0] == "write" and seen_a.offsets[index:index + 1] != seen_b.offsets[index:index + 1]:
+                    if dims and key[0] == "write" and index == 0 and seen_a.offsets[:1] != seen_b.offsets[:1]:
                         raise ForwardRefused(
                             f"piecewise: `{key[1]}` at {seen_a.where} writes the call's rows into a static tensor at "
                             f"a place that moves with the token count (element {seen_a.offsets[index]} at {a} tokens, "

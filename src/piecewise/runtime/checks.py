@@ -201,8 +201,9 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
     got, got_state = run(sizes[1])
     first.restore()
     index = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same([a], [b])), None)
-    state = next((i for i, (a, b) in enumerate(zip(got_state, want_state))
-                  if not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
+    state = next((i for i, (a, b) in enumerate(zip(got_state, want_state))  # floating state only: a quantised
+                  if values(a, saved[i][0]).is_floating_point()  # cache's codes flip with float32's last bit
+                  and not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
     if index is None and state is None:
         return
     again, again_state = run(sizes[0])  # the first run repeated

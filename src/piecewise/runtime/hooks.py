@@ -66,7 +66,9 @@ def _tables(model: torch.nn.Module) -> list[tuple[str, dict]]:
 
 
 def _hooks(tables: list[tuple[str, dict]]) -> dict[tuple[str, int], str]:
-    return {(where, key): _name(hook) for where, table in tables for key, hook in table.items()}
+    """(where, the hook function's id) → its name, transformers' output-collecting hooks left out (``_QUIET``): the
+    same function registered again is the same hook."""
+    return {(where, id(hook)): _name(hook) for where, table in tables for hook in table.values() if not _quiet(hook)}
 
 
 class HookState:

@@ -66,15 +66,17 @@ class PiecewiseModel(Core):
         self.last_arguments = arguments
         # Inference semantics for everything piecewise runs, whatever the caller's grad mode: no autograd graph,
         # and piecewise's buffers are inference tensors that every later call may write. The outputs are copied
-        # outside, so that the caller gets ordinary tensors. A call the graphs cannot serve runs the model's own
-        # forward as the caller called it (their grad mode: ordinary tensors, as eager gives).
+        # outside, so that the caller gets ordinary tensors; a call the graphs cannot serve runs the model's own
+        # forward there too, its outputs copied outside.
         with self.watch:
             with torch.inference_mode():
                 difference = self.guard.difference(arguments) if self._prepared else None
+                if difference is not None:
+                    self.guard.warn_once(difference)
+                    self.stats.eager_calls += 1
+                    output = self.model(**arguments)
             if difference is not None:
-                self.guard.warn_once(difference)
-                self.stats.eager_calls += 1
-                return self.model(**arguments)
+                return self.finish(output, tokens, tokens, clone=True)
             return self._serve(arguments, tokens)
 
     def _serve(self, arguments: dict[str, Any], tokens: int) -> Any:
