@@ -117,7 +117,7 @@ def child(case: str, tiny: bool, profile: bool) -> dict:
             "compile_s": stats.compile_seconds, "pieces_shared": stats.pieces_shared, "capture_s": stats.capture_seconds,
             "prewarm_s": stats.prewarm_seconds, "verify_s": stats.verify_seconds, "graphs": stats.graphs,
             "full_graphs": stats.full_graphs, "sizes": len(stats.captured_sizes),
-            "candidates": stats.candidates, "ms": ms}
+            "candidates": stats.candidates, "phases": stats.first_call_seconds, "ms": ms}
 
 
 def sync() -> None:
@@ -181,6 +181,9 @@ def main() -> int:
         lines.append(f"| {r['case']} | {r['run']} | {r['cache']} | {r['first_call_s']:.2f} | {r['compile_s']:.2f} | "
                      f"{r['pieces_shared']} | {r['capture_s']:.2f} | {r['prewarm_s']:.2f} | {mode} | "
                      + " | ".join(f"{r['ms'][str(b)]:.3f}" for b in BATCHES) + f" | {r['process_s']:.1f} |")
+    lines += ["", "Where each first call went (s, `stats.first_call_seconds`; the rest of the first call is the call "
+              "itself after them):", ""]
+    lines += [f"- {r['case']} {r['run']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()) for r in rows]
     lines += ["", "Why each mode (the warm process):", ""]
     lines += [f"- {r['case']}: {r['frontend_reason'] or '(as configured)'}" for r in rows if r["run"] == "warm"]
     text = "\n".join(lines) + "\n"

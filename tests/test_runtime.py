@@ -46,6 +46,10 @@ def test_example_equals_eager_for_every_token_count(layers):
     # traced the forward
     assert stats["direct_calls"] == config.max_tokens + 3
     assert stats["prewarm_seconds"] > 0
+    phases = stats["first_call_seconds"]  # the order they ran in; Dynamo traced inside the padding check
+    assert list(phases)[:5] == ["warm-up", "cache", "front-end", "padding check", "one-token check"]
+    assert phases["warm-up"] >= stats["prewarm_seconds"] and phases["padding check"] >= stats["compile_seconds"]
+    assert "capture" not in phases  # no CUDA: nothing captured
     assert runner.token_arguments == {"input_ids": 0, "positions": 0}
 
 

@@ -76,6 +76,11 @@ class Stats(MutableMapping):
     verify_seconds: float = 0.0
     prewarm_seconds: float = 0.0
     compile_seconds: float = 0.0
+    first_call_seconds: dict = field(default_factory=dict)
+    """Where the first call's seconds went, phase by phase in the order run (``"warm-up"``, ``"front-end"``,
+    ``"padding check"`` (Dynamo's trace and the pieces' compile happen there), ``"one-token check"``, ``"sizes"``,
+    ``"full-graph check"``, ``"capture"``, ``"count check"``, ``"verify"``, ``"cache"``); a front-end ``auto`` left
+    adds its seconds to the phases it reached."""
     pieces_shared: int = 0
     """Pieces that took the compiled code of an earlier identical piece (a model's layers) instead of compiling
     (``compiler="inductor"``; see ``capture.compilers.piece_key``)."""

@@ -93,9 +93,23 @@ def prepare(core: Core, arguments: dict[str, Any]) -> None:
         generators.restore()
 
 
+class _Clock:
+    """Adds the seconds since the last lap to a phase of ``stats.first_call_seconds``."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds, self.last = seconds, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
 def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -> None:
     core.watch.start()
     began = time.perf_counter()
+    core.stats.first_call_seconds = {}
+    clock = _Clock(core.stats.first_call_seconds)
     model_tensors = [*core.model.parameters(), *core.model.buffers()]
     static = core.arguments.record_first(arguments)
     core.state.stable_ptrs.update(t.data_ptr() for t in [*model_tensors, *static])
@@ -124,7 +138,9 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     device = arguments[given[0]].device
     core.full.resolve(called, resolve_splitting_ops(core.config.splitting_ops), device)
     candidates = _candidates(core)
+    clock.lap("warm-up")
     store, key, described, recorded = _open_cache(core)
+    clock.lap("cache")
     if recorded is not None:
         candidates = (recorded, *(c for c in candidates if c != recorded))  # the others if it fails now
     reasons: list[str] = []
@@ -137,9 +153,12 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
         last = index == len(candidates) - 1
         try:
             core.frontend.prepare(lambda count: _rehearse(core, arguments, count), tokens)
+            clock.lap("front-end")
             check_padding(core, arguments)  # the Dynamo front-end traces here
             changed = module_state.changed()
+            clock.lap("padding check")
             check_one_token(core, arguments)
+            clock.lap("one-token check")
             if core.ladder.notes and core.config.compiler == "eager" and not last:
                 reasons.append(f"breakable, which serves every size: with compiler='eager' Dynamo's trace gains "
                                f"nothing, and there {core.ladder.notes[0]}")
@@ -151,12 +170,16 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
             except torch.OutOfMemoryError as exc:
                 raise out_of_memory(core, core.ladder.sizes[-1], []) from exc
             core.full.settle(graph_breaks=bool(core.stats.graph_breaks))
+            clock.lap("sizes")
             if core.full.sizes:
                 check_full_padding(core.full, arguments, tokens)
+                clock.lap("full-graph check")
             if use_graphs or core.frontend.runs_every_size:
                 capture_all(core, arguments, graphs=use_graphs)
+                clock.lap("capture")
             if core.frontend.runs_every_size:
                 check_count(core, arguments)
+                clock.lap("count check")
             if not core.frontend.replays_python:
                 warn_changed_state(changed)
             taken = candidate
@@ -172,6 +195,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
             reasons.append(_reset_after(core, exc, candidate, candidates[index + 1]))
         finally:
             core.state.preparing = False
+            clock.lap("front-end")  # what a refused front-end spent after its last phase
     if recorded is not None and core.frontend.name == recorded.name and not reasons:
         core.stats.frontend_reason = f"{store.entry_reason} (recorded in the cache by an earlier first call)"
     elif core.config.frontend == "auto" and not core.config.strict:
@@ -184,6 +208,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
         reason = "disabled by CaptureConfig(cuda_graphs=False)" if not core.config.cuda_graphs else "no CUDA"
         logger.info("piecewise: pieces run without CUDA graphs (%s)", reason)
     core.guard.record(arguments, list(core.arguments.dynamic), deep=not core.frontend.replays_python)
+    clock.lap("guards")
     if core.config.verify != "off":
         sizes = core.ladder.sizes if core.config.verify == "all" else sorted({core.ladder.sizes[0],
                                                                              core.ladder.sizes[-1]})
@@ -192,6 +217,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
         core.stats.verify_seconds = time.perf_counter() - started
         core.stats.verified_sizes = list(sizes)
         logger.info("piecewise: verified %d size(s) in %.2f s", len(sizes), core.stats.verify_seconds)
+        clock.lap("verify")
         if not report.ok:
             raise VerificationError(report)
     if store is not None:
@@ -199,6 +225,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
         store.save(key, described, {"frontend": taken.name, "options": taken.options,
                                     "graph_mode": core.stats.graph_mode, "frontend_reason": reason,
                                     "first_call_s": time.perf_counter() - began})
+        clock.lap("cache")
 
 
 def _open_cache(core: Core):
