@@ -117,7 +117,20 @@ def child(case: str, tiny: bool, profile: bool) -> dict:
             "compile_s": stats.compile_seconds, "pieces_shared": stats.pieces_shared, "capture_s": stats.capture_seconds,
             "prewarm_s": stats.prewarm_seconds, "verify_s": stats.verify_seconds, "graphs": stats.graphs,
             "full_graphs": stats.full_graphs, "sizes": len(stats.captured_sizes),
-            "candidates": stats.candidates, "phases": stats.first_call_seconds, "ms": ms}
+            "candidates": stats.candidates, "phases": stats.first_call_seconds, "dynamo": dynamo_seconds(), "ms": ms}
+
+
+def dynamo_seconds() -> dict:
+    """Dynamo's own timers (``torch._dynamo.utils.compile_times``), summed over its compiles: its trace is
+    ``_compile.compile_inner`` less ``OutputGraph.call_user_compiler`` (the backend: split and pieces)."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return {name: round(float(value), 3) for name, value in zip(names, values)
+            if name in ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
+                        "build_guards", "compile_fx_inner", "inductor_compile", "aot_collect_metadata")}
 
 
 def sync() -> None:
@@ -184,6 +197,9 @@ def main() -> int:
     lines += ["", "Where each first call went (s, `stats.first_call_seconds`; the rest of the first call is the call "
               "itself after them):", ""]
     lines += [f"- {r['case']} {r['run']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()) for r in rows]
+    lines += ["", "Dynamo's own timers (s, summed over its compiles):", ""]
+    lines += [f"- {r['case']} {r['run']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["dynamo"].items())
+              for r in rows if r["dynamo"]]
     lines += ["", "Why each mode (the warm process):", ""]
     lines += [f"- {r['case']}: {r['frontend_reason'] or '(as configured)'}" for r in rows if r["run"] == "warm"]
     text = "\n".join(lines) + "\n"
