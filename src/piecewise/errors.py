@@ -62,6 +62,11 @@ class CaptureFailed(RuntimeError):
         self.chain = list(chain or [])
 
 
+class StateChanged(RuntimeError):
+    """A call after the first whose model state (a Python attribute the trace read, a flag) differs from what the
+    graphs were made for: the runtime runs the model's own forward for it, with one warning (the message)."""
+
+
 class CaptureOutOfMemory(RuntimeError):
     """The device ran out of memory while the first call captured its graphs: the message says at which size, what
     was captured by then and what to lower. Nothing is left half-captured (the runner can be compiled again)."""

@@ -316,7 +316,7 @@ class TunedOnFirstUse(torch.nn.Module):
     def forward(self, x):
         tokens = x.shape[0]
         if tokens not in self.tables:
-            if piecewise.context() is not None and piecewise.context().capturing:
+            if torch.cuda.is_current_stream_capturing():  # a piecewise segment's capture or a full graph's
                 self.first_use_in_capture.append(tokens)
             if self.sync:
                 torch.cuda.synchronize()
@@ -332,8 +332,8 @@ def test_first_use_host_work_at_each_size_fails_its_capture_then_runs_in_a_warm_
     """Breakable warms up only the first size; first-use host work at a later size (a tuning sync, an upload)
     fails that size's capture, and the size runs padded, then captures. A sync leaves the pool unusable: the
     retry and every later size warm up in a fresh pool. An upload refused before it reached the stream leaves
-    the pool usable: only the sizes that failed warm up. In full graphs (always warmed up) and piecewise ones,
-    every size gets its graphs, equal to eager."""
+    the pool usable: only the sizes that failed warm up. Full graphs follow the same rule (captured first, they
+    meet the first uses); in full graphs and piecewise ones, every size gets its graphs, equal to eager."""
     from piecewise.models.llama import LlamaConfig, TinyLlama
 
     config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -361,7 +361,11 @@ def test_first_use_host_work_at_each_size_fails_its_capture_then_runs_in_a_warm_
     assert failed or graph_mode != "piecewise", "no size met its first use in its capture: nothing was tested"
     retired = bool(failed) and work == "sync"
     warmed = sorted({MAX_TOKENS, *failed, *(size for size in sizes if retired and size <= failed[0])})
-    runner.stats.expect(frontend="breakable", captured_sizes=sizes, graph_mode=graph_mode, warmed_sizes=warmed,
+    if graph_mode == "full_and_piecewise":  # the full graphs met every first use; the pieces warm as the pool says
+        runner.stats.expect(full_warmed_sizes=warmed, warmed_sizes=sizes if retired else [MAX_TOKENS])
+    else:
+        runner.stats.expect(warmed_sizes=warmed, full_warmed_sizes=[])
+    runner.stats.expect(frontend="breakable", captured_sizes=sizes, graph_mode=graph_mode,
                         full_graphs=len(sizes) if graph_mode == "full_and_piecewise" else 0)
     assert len(runner.state.retired_pools) == int(retired)
     assert runner.stats["pool_bytes"] > 0

@@ -213,3 +213,41 @@ def test_outputs_whose_token_dimension_is_not_the_first_are_cut_after_a_full_rep
             assert rel_error(batched, want_batched) <= 1e-2 and rel_error(flat, want_flat) <= 1e-2, batch
             if batch != 5:
                 assert runner.stats["full_replays"] == replays + 1, dict(runner.stats)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_flag_flipped_after_the_first_call_is_seen_before_a_full_graph_replays(compiler):
+    """A full graph's replay runs no Dynamo code: the guards of the first call's trace are checked before it, and a
+    call whose model state fails them (a flag an engine sets for sampling steps) runs the model's own forward, with
+    one warning, instead of replaying the old path."""
+    import warnings
+
+    from piecewise.models.llama import TinyLlama
+
+    class Flagged(TinyLlama):
+        last_only = False
+
+        def forward(self, input_ids, positions, kv_cache):
+            logits = super().forward(input_ids, positions, kv_cache)
+            return logits[-1:] if self.last_only else logits
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=128, max_seq_len=64)
+    torch.manual_seed(0)
+    model = Flagged(config).cuda().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend="dynamo", compiler=compiler))
+    cache, reference = model.make_kv_cache(), model.make_kv_cache()
+    ids, start = torch.randint(0, 64, (64,), device="cuda"), 0
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index, tokens in enumerate([5, 1, 3, 1, 5, 2]):
+            if index == 3:
+                model.last_only = True
+            positions = torch.arange(start, start + tokens, device="cuda")
+            out = runner(ids[start:start + tokens], positions, cache)
+            want = model(ids[start:start + tokens], positions, reference)
+            assert out.shape == want.shape and rel_error(out, want) <= 2e-3, (index, tokens)
+            start += tokens
+    assert runner.stats["full_graphs"] > 0 and runner.stats["full_replays"] > 0
+    assert runner.stats["eager_calls"] >= 2
+    assert sum("model's own forward" in str(w.message) for w in caught) == 1

@@ -34,7 +34,9 @@ class Stats(MutableMapping):
     """Piecewise sizes run padded before their capture. Breakable does so for the first (largest) size, for a size
     whose capture failed without it (first-use host work: a tuning sync, an upload), captured again after it, and
     for every size after a failure that retired the pool; Dynamo, and breakable under ``torch.distributed``, for
-    every size. (Full-graph sizes always are.)"""
+    every size. (Full graphs: ``full_warmed_sizes``.)"""
+    full_warmed_sizes: list[int] = field(default_factory=list)
+    """Full-graph sizes run padded before their capture: by the same rule as piecewise sizes (``warmed_sizes``)."""
     graphs: int = 0
     capture_seconds: float = 0.0
     pool_bytes: int = 0

@@ -26,7 +26,8 @@ def _reading_class(cls: type) -> type:
     if reader is None:
         def __getattribute__(self, name):
             value = object.__getattribute__(self, name)
-            if name not in _compat.MODULE_BOOKKEEPING and name in object.__getattribute__(self, "__dict__"):
+            if name not in _compat.MODULE_BOOKKEEPING and (name in object.__getattribute__(self, "__dict__") or (
+                    type(value) in _PLAIN and not name.startswith("__"))):  # a class's default (``flag = False``)
                 key = (id(self), name)
                 if key not in _RECORDING[-1]:
                     _RECORDING[-1][key] = (self, value, innermost_user_line())
@@ -39,6 +40,8 @@ def _reading_class(cls: type) -> type:
 
 
 _RECORDING: list[dict] = []
+_PLAIN = (bool, int, float, str, type(None))
+"""Values a class attribute may hold that an instance's assignment overrides as a flag or a setting."""
 
 
 class AttributeReads:
@@ -49,6 +52,9 @@ class AttributeReads:
         self.reads: dict[tuple[int, str], tuple[Any, Any, tuple[str, int] | None]] = {}
         """(id of the module, attribute) → (the module, the value read, where)."""
         self.assigned: list[tuple[Any, str]] = []
+        self.own: set[tuple[int, str]] = set()
+        """Attributes the forward assigns itself (a counter, a kept value): its own state, which
+        ``warn_changed_state`` names; an eager call of the model assigning them is not a change of setting."""
         self.recording = False
 
     def record(self, run: Callable[[], Any]) -> Any:
@@ -56,6 +62,7 @@ class AttributeReads:
         swapped = []
         _RECORDING.append({})
         self.recording = True
+        _compat.on_module_assignment(self._noted)
         try:
             for module in self.model.modules():
                 cls = type(module)
@@ -75,9 +82,13 @@ class AttributeReads:
             self.assigned.clear()
             _compat.on_module_assignment(self._assigned)
 
+    def _noted(self, module: torch.nn.Module, name: str) -> None:
+        if self.recording:
+            self.own.add((id(module), name))
+
     def _assigned(self, module: torch.nn.Module, name: str) -> None:
         read = self.reads.get((id(module), name))
-        if read is None or in_runner_call():  # the forward's own assignments are its own
+        if read is None or in_runner_call() or (id(module), name) in self.own:  # the forward's own assignments
             return
         value = vars(module).get(name)
         if value is read[1] or (isinstance(value, (int, float, bool, str)) and value == read[1]):

@@ -19,7 +19,7 @@ import torch
 from .. import _compat
 from ..capture.compilers import make_compiler
 from ..capture.state import STATE_CHANGE
-from ..errors import CaptureFailed, ForwardRefused
+from ..errors import CaptureFailed, ForwardRefused, StateChanged
 from ..graph.guards import token_guard_failures
 from ..graph.stack import node_stack
 from ..graph.tokens import is_token_tensor, node_place, token_mixing_nodes, user_line
@@ -39,10 +39,10 @@ class DynamoFrontend:
     ``on_blocker``: what Python Dynamo cannot trace does to the trace (``ForwardTracer``)."""
 
     name = "dynamo"
-    warms_every_size = True
-    """Each size runs padded before its capture where the pieces are compiled (they compile and tune their kernels
-    there); eager pieces have nothing to prepare per size: only the first captured size runs padded first, and a
-    size whose capture fails runs padded and captures again (``capture_sizes``)."""
+    warms_every_size = False
+    """Only the first captured size runs padded before its capture; a size whose capture fails without it (a
+    kernel that tunes on its first run at that size) runs padded and captures again (``capture_sizes``). The
+    pieces are compiled once for the symbolic token count, so their kernels are built and tuned at the first size."""
     runs_every_size = False
     """One trace serves every size: its guards say where the forward depends on the token count."""
     replays_python = True
@@ -55,7 +55,6 @@ class DynamoFrontend:
         self.stats = parts.stats
         self.describe_change = parts.describe_change
         self.compiler = make_compiler(parts.config.compiler)
-        self.warms_every_size = parts.config.compiler != "eager"
         self.graph_runners: list[GraphRunner] = []
         self.tracer = ForwardTracer(parts.model, self.backend, on_blocker)
         self.traced_in_call = False
@@ -90,6 +89,9 @@ class DynamoFrontend:
             soften(arguments)
         try:
             output = self.tracer((), arguments)
+        except StateChanged:
+            self.stats.traces += self.traced_in_call  # the new trace stays (Dynamo's cache): counted
+            raise
         except _compat.RECOMPILE_LIMIT:
             change = self.describe_change()
             if change == STATE_CHANGE:
@@ -105,6 +107,22 @@ class DynamoFrontend:
         if self.tracer.last_direct and not self.state.preparing:
             self.stats.direct_calls += 1
         return output
+
+    def state_change(self, arguments: dict[str, Any], full: bool) -> str | None:
+        """Before a full graph serves a call (its replay runs no Dynamo code): what of the model's state fails the
+        guards of the first call's trace (a flag flipped since), or None. (A piecewise call runs the guards itself;
+        a trace they send it to is ``GraphRunner.unchecked``.)"""
+        direct = self.tracer.direct
+        if not full or direct is None or direct.broken:
+            return None
+        try:
+            if direct.check(direct.frame_locals(arguments)):
+                return None
+        except Exception:  # noqa: BLE001 - a torch whose guard check wants more (DirectCall turns itself off)
+            return None
+        guard, _ = _compat.last_guard_failure(self.tracer.method) or (None, None)
+        return "the model's state fails a guard of the first call's trace" + (f" (`{guard}`)" if guard else "") + \
+            ": a flag or Python value the forward reads changed since"
 
     def release(self) -> None:
         """Drop every captured graph; the pieces run without graphs from now on."""
@@ -189,6 +207,10 @@ class DynamoFrontend:
                 if argument and argument[1] != "self":
                     change = f"a guard on what argument {argument[1]!r} holds failed"
                 change += f": `{guard}`" if guard else ""
+            if not self.state.preparing:  # a call after the first: no padding check ran on this graph
+                runner.unchecked = (f"the model was traced again after the first call ({change}), and that trace's "
+                                    f"padding was never checked")
+                return  # the runtime warns once, naming the change, and runs such calls without padding
             warnings.warn(
                 f"piecewise: the model was traced again after the first trace ({change}); the new graph runs "
                 f"without CUDA graphs. Call the model with the argument types and Python values (numbers, flags, "

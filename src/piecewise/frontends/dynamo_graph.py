@@ -13,6 +13,7 @@ from ..capture.compilers import SharedCompiles
 from ..capture.pieces import PieceRunner
 from ..capture.splitop import SplitOpRunner
 from ..capture.state import CaptureState, Phase
+from ..errors import StateChanged
 from ..graph.split import split_graph
 from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dims
 from ..graph.writes import inputs_sharing_memory, writes_to_inputs
@@ -72,10 +73,15 @@ class GraphRunner:
         self.token_outputs = [(token_dims(v) or [None])[0]
                               for v in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
         self.external: list[int] | None = None  # inputs that need a static copy; decided on the first call
+        self.unchecked: str | None = None
+        """Why this graph may not serve padded calls: traced after the first call (the model's state changed), so
+        the first call's padding checks never ran on it (``StateChanged``)."""
         self.input_buffers: dict[tuple[int, int], torch.Tensor] = {}
 
     def __call__(self, *args):
         state = self.state
+        if self.unchecked is not None and state.call.size != state.call.num_tokens:
+            raise StateChanged(self.unchecked)
         if state.call.phase is not Phase.DIRECT:
             if self.external is None:
                 self._take_inputs(args)

@@ -97,7 +97,8 @@ class DirectCall:
             return None
         return cls(method, code, check)
 
-    def __call__(self, kwargs: dict) -> tuple[bool, Any]:
+    def frame_locals(self, kwargs: dict) -> dict:
+        """What Dynamo's guards see of a call with ``kwargs``."""
         if self.varkw:
             given = {name: value for name, value in kwargs.items() if name in self.named}
             given[self.varkw] = {name: value for name, value in kwargs.items() if name not in self.named}
@@ -106,6 +107,10 @@ class DirectCall:
         frame_locals = {**self.defaults, **given, self.self_name: self.owner}
         for name, cell in self.cells:  # Dynamo's guards see closure variables as frame locals
             frame_locals[name] = cell.cell_contents
+        return frame_locals
+
+    def __call__(self, kwargs: dict) -> tuple[bool, Any]:
+        frame_locals = self.frame_locals(kwargs)
         try:
             passed = self.check(frame_locals)
         except Exception as exc:  # a torch whose guard check wants more than the frame's locals

@@ -56,7 +56,7 @@ def capture_all(core: Core, arguments: dict[str, Any], graphs: bool) -> None:
     size = core.full.sizes[-1] if core.full.sizes else 0
     with capture_session(state, len(sizes) + len(core.full.sizes)) as advance:
         try:
-            core.full.capture(arguments, tokens, advance)
+            core.full.capture(arguments, tokens, advance, warm_each)
             served = [] if core.frontend.runs_every_size else [
                 size for below, size in zip([0, *sizes], sizes) if core.full.serves_every_call(size, below)]
             core.stats.full_only_sizes = served
@@ -80,6 +80,7 @@ def capture_all(core: Core, arguments: dict[str, Any], graphs: bool) -> None:
     state.capture_done = True
     core.stats.captured_sizes = sorted(captured)
     core.stats.warmed_sizes.sort()
+    core.stats.full_warmed_sizes.sort()
     core.stats.graphs = core.frontend.graph_count()
     core.stats.capture_seconds = time.perf_counter() - started
     core.stats.pool_bytes = state.pool_bytes()

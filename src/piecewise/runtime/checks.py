@@ -170,15 +170,22 @@ def _difference(got: Any, want: Any) -> tuple[float, float]:
 
 
 def check_count(core: Core, arguments: dict[str, Any]) -> None:
-    """The first call's leading rows padded to two sizes must give the same real rows: a forward that takes the
-    token count for a value (``x / x.shape[0]``, ``arange(T)`` counted from the end, the count returned or kept)
-    would see the padded count on every padded call. Not asked of a forward that draws random numbers (their
-    layout follows the size)."""
+    """The first call's leading rows, as many as a padded call can have (the most below its count that are not a
+    capture size), run as they are and padded to the next capture size must give the same real rows: a forward
+    that takes the token count for a value (``x / x.shape[0]``, ``arange(T)`` counted from the end, a mask of the
+    last row, an expert capacity from the count, the count returned or kept) would see the padded count on every
+    padded call. Where every count up to the call's is a capture size (a one-token first call), its rows padded to
+    the two smallest sizes above them are compared instead. Not asked of a forward that draws random numbers
+    (their layout follows the size)."""
     sizes = [size for size in core.ladder.sizes if size >= 2]
-    if len(sizes) < 2:
+    if not sizes:
         return
     given = core.arguments.given_tokens(arguments)
-    rows = min(arguments[given[0]].shape[0], sizes[0] - 1)
+    tokens = arguments[given[0]].shape[0]
+    rows = reference = next((n for n in range(min(tokens, sizes[-1] - 1), 0, -1) if n not in core.ladder.sizes), None)
+    if rows is None:  # no count up to the call's is padded: its rows padded twice (a branch the ladder bounds stays)
+        rows, reference = min(tokens, sizes[0] - 1), sizes[0]
+    padded = [size for size in sizes if size > reference][:1]  # the padding a call of ``rows`` tokens gets
     first = RandomState()
     saved = snapshot(core, arguments)  # the state the runs write (rows at an offset from the end, a count kept)
 
@@ -187,7 +194,7 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
         output = _compared(_padded_run(core, arguments, given, rows, size, copies=False))
         return output, [tensor.clone() for tensor, _, _ in saved or ()]
 
-    want, want_state = run(sizes[0])
+    want, want_state = run(reference)  # unpadded (what eager computes), or padded to the smallest size
     draws = not first.same(RandomState())
     first.restore()
     if draws:
@@ -198,19 +205,22 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
             "outside forward, or from a generator passed to each call, where runs must repeat eager's.",
             stacklevel=caller_stacklevel())
         return
-    got, got_state = run(sizes[1])
-    first.restore()
-    index = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same([a], [b])), None)
-    state = next((i for i, (a, b) in enumerate(zip(got_state, want_state))  # floating state only: a quantised
-                  if values(a, saved[i][0]).is_floating_point()  # cache's codes flip with float32's last bit
-                  and not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
-    if index is None and state is None:
+    for size in padded:
+        got, got_state = run(size)
+        first.restore()
+        index = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same([a], [b])), None)
+        state = next((i for i, (a, b) in enumerate(zip(got_state, want_state))  # floating state only: a quantised
+                      if values(a, saved[i][0]).is_floating_point()  # cache's codes flip with float32's last bit
+                      and not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
+        if index is not None or state is not None:
+            break
+    else:
         return
-    again, again_state = run(sizes[0])  # the first run repeated
+    again, again_state = run(reference)  # the first run repeated
     first.restore()
     if not (_same(again, want) and _same(again_state, want_state)):
-        logger.info("piecewise: the forward gives other results on a repeat of the same padded run; the check of "
-                    "the token count is left out")
+        logger.info("piecewise: the forward gives other results on a repeat of the same run; the check of the token "
+                    "count is left out")
         return
     if index is None:
         got, want, index = [values(t, saved[state][0]) for t in got_state], [
@@ -219,12 +229,14 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
         causes = "rows written at an offset from the end (mem[-T:] = x), the count kept (buf.fill_(x.shape[0]))"
     else:
         what = f"output {index} ({_what(want[index])})"
-        causes = "a division by x.shape[0], arange(T) counted from the end, the count returned or kept, rows read " \
-                 "at an offset from the end (x.roll(k, 0), x[-k])"
+        causes = "a division by x.shape[0], arange(T) counted from the end or compared with the count (a mask of " \
+                 "the last row), a capacity computed from the count, the count returned or kept, rows read at an " \
+                 "offset from the end (x.roll(k, 0), x[-k])"
     raise ForwardRefused(
         f"piecewise: the forward takes the token count for a value: with {rows} real token(s), {what} differs by "
-        f"{_difference(got[index], want[index])[0]:.1e} (relative) between padding to {sizes[0]} and to "
-        f"{sizes[1]} tokens. Every call is padded to a capture size, so such code sees the padded count: {causes}. "
+        f"{_difference(got[index], want[index])[0]:.1e} (relative) between "
+        f"{'the call run as it is' if reference == rows else f'padding to {reference} tokens'} and padding to "
+        f"{size} tokens. Every call is padded to a capture size, so such code sees the padded count: {causes}. "
         f"Give the count or the positions as a tensor argument, or make that code a splitting op "
         f"(piecewise.opaque_op(..., split=True)), which sees the real count and rows.",
         "token_mixing", [])
@@ -330,6 +342,8 @@ class ModuleState:
                       for name, module in model.named_modules() for key, value in vars(module).items()
                       if key not in _compat.MODULE_BOOKKEEPING}
         self.fingerprints = self.take()
+        self.places: list[tuple[str, str]] = []
+        """(module name, attribute) of what the last ``changed`` found."""
 
     def take(self) -> dict[tuple[str, str], Any]:
         return {(name, key): _fingerprint(value) for name, module in self.model.named_modules()
@@ -338,10 +352,11 @@ class ModuleState:
     def changed(self) -> list[str]:
         """``module.attribute: before -> now`` for each attribute a run changed since the last ``changed``."""
         now, before = self.take(), self.fingerprints
-        found = []
+        found, self.places = [], []
         for place in sorted(set(now) | set(before)):
             was, is_ = before.get(place, _GONE), now.get(place, _GONE)
             if was != is_:
+                self.places.append(place)
                 values = f" ({was!r} -> {is_!r})" if isinstance(was, _IMMUTABLE) and isinstance(is_, _IMMUTABLE) \
                     else " (set by the forward)" if was is _GONE else ""
                 found.append(f"`{_label(*place)}`{values}")

@@ -28,7 +28,7 @@ from .checks import (ModuleState, RandomState, check_count, check_one_token, che
 from .core import Core
 from .full_graphs import check_full_padding
 from .hooks import warn_of_forward_hooks
-from .outputs import refuse_made_tensors_in_objects
+from .outputs import refuse_made_tensors_in_objects, warn_of_kept_tensors
 from .verify import verify
 
 logger = logging.getLogger(__name__)
@@ -182,6 +182,8 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
                 clock.lap("count check")
             if not core.frontend.replays_python:
                 warn_changed_state(changed)
+            else:
+                warn_of_kept_tensors(core.model, module_state.places, core.ladder.bucket(tokens) or tokens)
             taken = candidate
             break
         except Exception as exc:  # noqa: BLE001 - with "auto", whatever stops a front-end is a reason to move on
@@ -305,4 +307,4 @@ def _reset(core: Core) -> None:
     core.ladder.sizes[:] = core.config.sizes  # a size dropped for one front-end is served again
     core.ladder.notes.clear()
     core.stats.update(traces=0, pieces=0, eager_writes=0, graph_breaks=0, compiled_regions=0, captured_sizes=[],
-                      warmed_sizes=[], graphs=0, full_only_sizes=[])
+                      warmed_sizes=[], graphs=0, full_only_sizes=[], full_warmed_sizes=[])

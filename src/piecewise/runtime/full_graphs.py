@@ -10,6 +10,7 @@ between pieces; the runtime captures that whole run as one graph into the pool t
 from __future__ import annotations
 
 import bisect
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +23,11 @@ from ..capture.outputs import output_tensors, walk_tensors
 from ..capture.segment import Segment
 from ..capture.state import Call, Phase
 from ..context import ForwardContext, forward_context
+from ..errors import StateChanged
 from ..opaque import opaque_op_info
 from .verify import rel_error, tolerance
+
+logger = logging.getLogger(__name__)
 
 
 class FullGraphs:
@@ -146,6 +150,10 @@ class FullGraphs:
         staged = runner.stager.stage(arguments, runner.arguments.given_tokens(arguments), tokens, size)
         torch.lt(self.positions[:size], tokens, out=self.masks[size])
         graph = self.graphs.get(size)
+        if not rehearsal:
+            change = runner.frontend.state_change(staged, full=True)
+            if change is not None:
+                raise StateChanged(change)
         if graph is not None:
             runner.state.token_outputs.clear()
             runner.state.token_outputs.update(self.output_dims[size])
@@ -158,24 +166,28 @@ class FullGraphs:
 
     # --- capture ---------------------------------------------------------------------------------------------
 
-    def capture(self, arguments: dict[str, Any], tokens: int, advance: Callable[[], None]) -> None:
-        """Warm up and capture every full size, largest first, into the runner's pool (inside its capture
-        session). A forward that cannot be captured whole turns the family off, with the reason."""
+    def capture(self, arguments: dict[str, Any], tokens: int, advance: Callable[[], None],
+                warm_each: bool = True) -> None:
+        """Capture every full size, largest first, into the runner's pool (inside its capture session), each after
+        a padded run outside the graph where ``warm_each`` (else the first size only, and a size whose capture
+        failed without one: it runs padded and captures again, as piecewise sizes do). A forward that cannot be
+        captured whole turns the family off, with the reason."""
         runner, state = self.runner, self.runner.state
-        for size in reversed(self.sizes):
+        for index, size in enumerate(reversed(self.sizes)):
             rows = min(tokens, size)
             arguments = runner.arguments.leading(arguments, rows)
-            segment = Segment(state)
+            warm = warm_each or index == 0 or bool(state.retired_pools)
             try:
-                for warm_up in (True, False):  # a run at this size outside the graph, then its capture
-                    staged, real = self._stage(arguments, rows, size)
-                    if not warm_up:
-                        segment.begin()
-                    output = runner.run_call(Call(Phase.PADDED, size, real, full=True), staged, rehearsal=True,
-                                             token_mask=self.masks[size])
-                segment.end()  # on failure it has abandoned the capture itself
+                try:
+                    segment, output = self._capture_size(arguments, rows, size, warm)
+                except Exception as exc:  # noqa: BLE001 - retried after a padded run, as ever
+                    if warm or isinstance(exc, torch.OutOfMemoryError):
+                        raise
+                    logger.info("piecewise: the full graph of %d tokens failed without a padded run before it (%s); "
+                                "running it padded and capturing again", size,
+                                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    segment, output = self._capture_size(arguments, rows, size, warm=True)
             except Exception as exc:  # noqa: BLE001 - whatever stops a whole-forward capture turns the family off
-                segment.abandon()
                 if isinstance(exc, torch.OutOfMemoryError):
                     raise
                 self.refuse(f"the forward cannot be captured whole at {size} tokens: {exc}")
@@ -194,6 +206,26 @@ class FullGraphs:
             self.output_dims[size] = kept
             advance()
         runner.stats.full_graphs = len(self.graphs)
+
+    def _capture_size(self, arguments: dict[str, Any], rows: int, size: int, warm: bool) -> tuple[Segment, Any]:
+        """(the graph, its output) of one full size, after a padded run outside the graph where ``warm``; a
+        failed capture is abandoned before the error goes on."""
+        runner = self.runner
+        segment = Segment(runner.state)
+        if warm:
+            runner.stats.full_warmed_sizes.append(size)
+        try:
+            for warm_up in (True, False) if warm else (False,):
+                staged, real = self._stage(arguments, rows, size)
+                if not warm_up:
+                    segment.begin()
+                output = runner.run_call(Call(Phase.PADDED, size, real, full=True), staged, rehearsal=True,
+                                         token_mask=self.masks[size])
+            segment.end()  # on failure it has abandoned the capture itself
+        except BaseException:
+            segment.abandon()
+            raise
+        return segment, output
 
     def _stage(self, arguments: dict[str, Any], rows: int, size: int) -> tuple[dict[str, Any], int]:
         """The first call's ``rows`` staged at ``size``, and the real rows of the run: for an exact family all

@@ -19,7 +19,7 @@ from ..capture.buffers import storage_alias
 from ..capture.segment import runner_call
 from ..capture.state import Call, Phase
 from ..config import CaptureConfig
-from ..errors import (BlockerKind, CaptureBlockedError, CaptureFailed, CaptureOutOfMemory, FakeMismatch,
+from ..errors import (BlockerKind, CaptureBlockedError, CaptureFailed, CaptureOutOfMemory, FakeMismatch, StateChanged,
                       ForwardRefused, VerificationError, first_line)
 from ..opaque import resolve_splitting_ops
 from . import first_call, search
@@ -85,17 +85,24 @@ class PiecewiseModel(Core):
                 self._prepare(arguments)
             full = self.full.bucket(tokens) if self.full.sizes else None
             size = full if full is not None else self.ladder.bucket(tokens)
-            if full is not None:
-                self.stats.full_calls += 1
-                output = self.full.run(arguments, tokens, full)
-            elif size is None or self.full.mode == "full":
-                output = self._run_direct(arguments, tokens)
-                size = tokens
-            else:
-                staged = self.stager.stage(arguments, self.arguments.given_tokens(arguments), tokens, size)
-                phase = Phase.REPLAY if self.state.capture_done else Phase.PADDED
-                self.stats.padded_calls += 1
-                output = self.run_call(Call(phase, size, tokens), staged)
+            try:
+                if full is not None:
+                    self.stats.full_calls += 1
+                    output = self.full.run(arguments, tokens, full)
+                elif size is None or self.full.mode == "full":
+                    output = self._run_direct(arguments, tokens)
+                    size = tokens
+                else:
+                    staged = self.stager.stage(arguments, self.arguments.given_tokens(arguments), tokens, size)
+                    self.frontend.state_change(staged, full=False)
+                    phase = Phase.REPLAY if self.state.capture_done else Phase.PADDED
+                    self.stats.padded_calls += 1
+                    output = self.run_call(Call(phase, size, tokens), staged)
+            except StateChanged as change:  # before anything ran: the model's own forward serves this call
+                self.guard.warn_once(str(change))
+                self.stats.eager_calls += 1
+                output, size = self.model(**arguments), tokens
+                return self.finish(output, tokens, size, clone=True)
         return self.finish(output, tokens, size)
 
     def _prepare(self, arguments: dict[str, Any]) -> None:

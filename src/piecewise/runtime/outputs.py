@@ -10,6 +10,7 @@ arguments (a cache passed in and returned) is served.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -41,3 +42,18 @@ def refuse_made_tensors_in_objects(output: Any, kept: list[torch.Tensor], argume
 def _argument_tensors(arguments: dict[str, Any]) -> list[torch.Tensor]:
     return [tensor for value in arguments.values() if not isinstance(value, torch.Tensor)
             for _, tensor in walk_tensors(value) if tensor is not None]
+
+
+def warn_of_kept_tensors(model: torch.nn.Module, places: list[tuple[str, str]], size: int) -> None:
+    """The forward assigns a new tensor to a module attribute on every run (``self.last_hidden = x``, read by an
+    EAGLE-style drafter after the call): Dynamo's code replays the assignment, with the tensor of the padded call."""
+    modules = dict(model.named_modules())
+    kept = [f"{name}.{key}" if name else f"self.{key}" for name, key in places
+            if name in modules and isinstance(vars(modules[name]).get(key), torch.Tensor)]
+    if kept:
+        warnings.warn(
+            f"piecewise: the forward keeps a tensor it makes in {', '.join(f'`{k}`' for k in kept[:3])} on every "
+            f"call. Calls are padded to a capture size (here {size} tokens for the first), so it holds the padded "
+            f"call's tensor: the call's rows first, then padding rows, in memory the next call may overwrite. Return "
+            f"it from forward instead (outputs are cut to the call's rows and copied out), or read only its first T "
+            f"rows before the next call.", stacklevel=7)

@@ -1,0 +1,143 @@
+"""Forwards that read the token count as a value, model state changed after the first call, tensors kept in module
+attributes: refused, served by the model's own forward, or named in a warning; never silently wrong."""
+
+import warnings
+
+import pytest
+import torch
+
+import piecewise
+from piecewise.errors import ForwardRefused
+from piecewise.models.llama import LlamaConfig, TinyLlama
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     intermediate_size=64, max_seq_len=64)
+
+
+def _config(frontend: str, **extra) -> piecewise.CaptureConfig:
+    return piecewise.CaptureConfig(max_tokens=16, frontend=frontend, compiler="eager", cache_dir=None, **extra)
+
+
+class LastRowMask(TinyLlama):
+    """Keeps only the last row's logits with a mask made from the count (a static-shape ``logits_to_keep=1``)."""
+
+    def forward(self, input_ids, positions, kv_cache):
+        logits = super().forward(input_ids, positions, kv_cache)
+        tokens = input_ids.shape[0]
+        return logits * (torch.arange(tokens) == tokens - 1)[:, None]
+
+
+class CapacityMoE(torch.nn.Module):
+    """Top-1 routing with an expert capacity computed from the count (GShard, DeepSpeed-MoE): tokens past an
+    expert's capacity are dropped."""
+
+    def __init__(self, width: int = 16, experts: int = 4):
+        super().__init__()
+        self.router = torch.nn.Linear(width, experts)
+        self.experts = torch.nn.Parameter(torch.randn(experts, width, width) / width ** 0.5)
+
+    def forward(self, x):
+        tokens, experts = x.shape[0], self.experts.shape[0]
+        choice = self.router(x).argmax(-1)
+        capacity = (tokens + experts - 1) // experts  # capacity factor 1
+        one_hot = torch.nn.functional.one_hot(choice, experts)
+        rank = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # place of each token in its expert's queue
+        kept = (rank < capacity).to(x.dtype)[:, None]
+        return torch.einsum("td,tdo->to", x, self.experts[choice]) * kept
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+@pytest.mark.parametrize("graph_mode", ["piecewise", None])
+def test_a_mask_of_the_last_row_made_from_the_count_is_refused(frontend, graph_mode):
+    """Padded, the mask marks a pad row: the real rows all get zeros. Comparing padded runs with each other does
+    not see it (the real rows' mask is the same at every padded size); the run at the call's own count does."""
+    torch.manual_seed(0)
+    model = LastRowMask(CONFIG).eval()
+    runner = piecewise.compile(model, _config(frontend, graph_mode=graph_mode))
+    cache = model.make_kv_cache()
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"takes the token count for a value.*between the call "
+                                                               r"run as it is and padding to \d+ tokens") as refused:
+        runner(torch.randint(0, 64, (9,)), torch.arange(9), cache)
+    assert refused.value.kind == "token_mixing"
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_an_expert_capacity_computed_from_the_count_is_refused(frontend):
+    torch.manual_seed(0)
+    model = CapacityMoE().eval()
+    runner = piecewise.compile(model, _config(frontend))
+    x = torch.randn(9, 16)
+    with torch.no_grad():
+        eager = model(x)
+        assert (eager.abs().sum(-1) == 0).any(), "no token was dropped at 9 tokens: nothing to test"
+        with pytest.raises(ForwardRefused, match="takes the token count for a value"):
+            runner(x)
+
+
+class Flagged(TinyLlama):
+    """A flag set on the model between calls (``last_only``: an engine asks for the last token's logits only)."""
+
+    last_only = False
+
+    def forward(self, input_ids, positions, kv_cache):
+        logits = super().forward(input_ids, positions, kv_cache)
+        return logits[-1:] if self.last_only else logits
+
+
+def _calls(model, runner, counts, flip_at):
+    cache, reference = model.make_kv_cache(), model.make_kv_cache()
+    ids, start = torch.randint(0, 64, (64,)), 0
+    for index, tokens in enumerate(counts):
+        if index == flip_at:
+            model.last_only = True
+        positions = torch.arange(start, start + tokens)
+        out = runner(ids[start:start + tokens], positions, cache)
+        with torch.inference_mode():
+            want = model(ids[start:start + tokens], positions, reference)
+        torch.testing.assert_close(out, want, msg=f"call {index} ({tokens} tokens)")
+        start += tokens
+    torch.testing.assert_close(cache, reference)
+
+
+@pytest.mark.parametrize("graph_mode", ["piecewise", None])
+def test_a_flag_flipped_after_the_first_call_runs_the_models_own_forward_under_dynamo(graph_mode):
+    """The flag fails a guard of the first call's trace: a full graph (whose replay runs no Dynamo code) and the
+    trace Dynamo makes for the new state (whose padding no check saw: ``logits[-1:]`` would be a pad row) both hand
+    such calls to the model's own forward, with one warning."""
+    torch.manual_seed(0)
+    model = Flagged(CONFIG).eval()
+    runner = piecewise.compile(model, _config("dynamo", graph_mode=graph_mode))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _calls(model, runner, [5, 1, 3, 5, 2, 7], flip_at=2)
+    messages = [str(w.message) for w in caught if "piecewise" in str(w.message)]
+    assert len(messages) == 1 and "model's own forward" in messages[0], messages
+    assert runner.stats["eager_calls"] >= 3  # a call of exactly a capture size may run the new trace: not padded
+
+
+def test_a_class_default_flag_assigned_after_the_first_call_is_refused_by_breakable():
+    """Breakable replays no Python: an attribute its forward read (here the class's default, ``last_only =
+    False``, overridden on the instance) and that is assigned afterwards is named before any graph or padded run
+    serves a call."""
+    torch.manual_seed(0)
+    model = Flagged(CONFIG).eval()
+    runner = piecewise.compile(model, _config("breakable"))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"`last_only` was assigned after the first call, and the "
+                                                          r"forward reads it at .*if self.last_only"):
+        _calls(model, runner, [5, 1, 3], flip_at=2)
+
+
+class KeepsHidden(TinyLlama):
+    def forward(self, input_ids, positions, kv_cache):
+        logits = super().forward(input_ids, positions, kv_cache)
+        self.last_logits = logits  # read after the call, as a drafter reads the target's hidden states
+        return logits
+
+
+def test_a_tensor_kept_in_a_module_attribute_is_named_in_a_warning_under_dynamo():
+    torch.manual_seed(0)
+    model = KeepsHidden(CONFIG).eval()
+    runner = piecewise.compile(model, _config("dynamo"))
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"keeps a tensor it makes in `self.last_logits`.*padding "
+                                                          r"rows.*Return it from forward"):
+        runner(torch.randint(0, 64, (5,)), torch.arange(5), model.make_kv_cache())
