@@ -45,9 +45,10 @@ class Frontend(Protocol):
     replays_python: bool
     """Whether a replayed call runs the forward's Python (Dynamo's bytecode around the graphs) or none of it."""
 
-    def state_change(self, arguments: dict[str, Any], full: bool) -> str | None:
-        """After the first call, before a padded call (``full``: served by a full graph): what changed in the model's
-        state that the graphs depend on (the runtime then runs the model's own forward), or None; or raise."""
+    def check_state(self, arguments: dict[str, Any], full: bool) -> None:
+        """After the first call, before a padded call (``full``: served by a full graph): raise ``StateChanged``
+        where the model's state the graphs depend on changed and the model's own forward can serve the call, or
+        another error naming what to do."""
 
     def prepare(self, rehearse: Callable[[int], Any], tokens: int) -> None:
         """Before the padding check: ``rehearse(n)`` runs the forward unpadded at ``n`` tokens (the first call's

@@ -193,12 +193,11 @@ class BreakableFrontend:
         pointer = storage(tensor)
         return pointer in self.static or pointer in self.state.buffer_storages or self.stager.owns(tensor)
 
-    def state_change(self, arguments: dict[str, Any], full: bool) -> str | None:
+    def check_state(self, arguments: dict[str, Any], full: bool) -> None:
         """Raise ``ValueError`` (``AttributeReads.check``) when an attribute the forward reads was assigned since the
         first call: graphs (full or piecewise) and padded runs would use what it held."""
         if self.reads.assigned and (full or not self.state.graphs_enabled):  # piecewise replays check in ``run``
             self.reads.check()
-        return None
 
     def release(self) -> None:
         self.recordings.clear()

@@ -108,21 +108,21 @@ class DynamoFrontend:
             self.stats.direct_calls += 1
         return output
 
-    def state_change(self, arguments: dict[str, Any], full: bool) -> str | None:
-        """Before a full graph serves a call (its replay runs no Dynamo code): what of the model's state fails the
-        guards of the first call's trace (a flag flipped since), or None. (A piecewise call runs the guards itself;
-        a trace they send it to is ``GraphRunner.unchecked``.)"""
+    def check_state(self, arguments: dict[str, Any], full: bool) -> None:
+        """Before a full graph serves a call (its replay runs no Dynamo code): ``StateChanged`` where the model's
+        state fails the guards of the first call's trace (a flag flipped since). (A piecewise call runs the guards
+        itself; a trace they send it to is ``GraphRunner.unchecked``.)"""
         direct = self.tracer.direct
         if not full or direct is None or direct.broken:
-            return None
+            return
         try:
             if direct.check(direct.frame_locals(arguments)):
-                return None
+                return
         except Exception:  # noqa: BLE001 - a torch whose guard check wants more (DirectCall turns itself off)
-            return None
+            return
         guard, _ = _compat.last_guard_failure(self.tracer.method) or (None, None)
-        return "the model's state fails a guard of the first call's trace" + (f" (`{guard}`)" if guard else "") + \
-            ": a flag or Python value the forward reads changed since"
+        raise StateChanged("the model's state fails a guard of the first call's trace" + (
+            f" (`{guard}`)" if guard else "") + ": a flag or Python value the forward reads changed since")
 
     def release(self) -> None:
         """Drop every captured graph; the pieces run without graphs from now on."""

@@ -185,7 +185,9 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
     rows = reference = next((n for n in range(min(tokens, sizes[-1] - 1), 0, -1) if n not in core.ladder.sizes), None)
     if rows is None:  # no count up to the call's is padded: its rows padded twice (a branch the ladder bounds stays)
         rows, reference = min(tokens, sizes[0] - 1), sizes[0]
-    padded = [size for size in sizes if size > reference][:1]  # the padding a call of ``rows`` tokens gets
+    size = next((size for size in sizes if size > reference), None)  # the padding a call of ``rows`` tokens gets
+    if size is None:
+        return
     first = RandomState()
     saved = snapshot(core, arguments)  # the state the runs write (rows at an offset from the end, a count kept)
 
@@ -205,16 +207,13 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
             "outside forward, or from a generator passed to each call, where runs must repeat eager's.",
             stacklevel=caller_stacklevel())
         return
-    for size in padded:
-        got, got_state = run(size)
-        first.restore()
-        index = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same([a], [b])), None)
-        state = next((i for i, (a, b) in enumerate(zip(got_state, want_state))  # floating state only: a quantised
-                      if values(a, saved[i][0]).is_floating_point()  # cache's codes flip with float32's last bit
-                      and not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
-        if index is not None or state is not None:
-            break
-    else:
+    got, got_state = run(size)
+    first.restore()
+    index = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same([a], [b])), None)
+    state = next((i for i, (a, b) in enumerate(zip(got_state, want_state))  # floating state only: a quantised
+                  if values(a, saved[i][0]).is_floating_point()  # cache's codes flip with float32's last bit
+                  and not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
+    if index is None and state is None:
         return
     again, again_state = run(reference)  # the first run repeated
     first.restore()

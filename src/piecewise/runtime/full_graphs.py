@@ -23,7 +23,6 @@ from ..capture.outputs import output_tensors, walk_tensors
 from ..capture.segment import Segment
 from ..capture.state import Call, Phase
 from ..context import ForwardContext, forward_context
-from ..errors import StateChanged
 from ..opaque import opaque_op_info
 from .verify import rel_error, tolerance
 
@@ -151,9 +150,7 @@ class FullGraphs:
         torch.lt(self.positions[:size], tokens, out=self.masks[size])
         graph = self.graphs.get(size)
         if not rehearsal:
-            change = runner.frontend.state_change(staged, full=True)
-            if change is not None:
-                raise StateChanged(change)
+            runner.frontend.check_state(staged, full=True)
         if graph is not None:
             runner.state.token_outputs.clear()
             runner.state.token_outputs.update(self.output_dims[size])
@@ -167,7 +164,7 @@ class FullGraphs:
     # --- capture ---------------------------------------------------------------------------------------------
 
     def capture(self, arguments: dict[str, Any], tokens: int, advance: Callable[[], None],
-                warm_each: bool = True) -> None:
+                warm_each: bool) -> None:
         """Capture every full size, largest first, into the runner's pool (inside its capture session), each after
         a padded run outside the graph where ``warm_each`` (else the first size only, and a size whose capture
         failed without one: it runs padded and captures again, as piecewise sizes do). A forward that cannot be

@@ -94,7 +94,7 @@ class PiecewiseModel(Core):
                     size = tokens
                 else:
                     staged = self.stager.stage(arguments, self.arguments.given_tokens(arguments), tokens, size)
-                    self.frontend.state_change(staged, full=False)
+                    self.frontend.check_state(staged, full=False)
                     phase = Phase.REPLAY if self.state.capture_done else Phase.PADDED
                     self.stats.padded_calls += 1
                     output = self.run_call(Call(phase, size, tokens), staged)
