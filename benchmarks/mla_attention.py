@@ -34,24 +34,16 @@ SCALE = (192 + ROPE) ** -0.5
 HBM_BYTES_PER_S = 4.8e12
 FP8 = os.environ.get("PIECEWISE_MLA_FP8") == "1"
 """``--fp8``: the cache holds FP8 rows (``kernels.latent_fp8``, 656 bytes a row); read by the warm-up processes too."""
-CANDIDATES = [LatentBlocks(), LatentBlocks(values=2),
-              LatentBlocks(64, 16, 4, 3, dense_stages=2, values=2),
-              LatentBlocks(64, 16, 4, 3, dense_stages=2, values=4),
-              LatentBlocks(64, 16, 8, 3, dense_stages=2, values=4), LatentBlocks(values=2, ahead=True),
-              LatentBlocks(64, 16, 4, 3, dense_stages=2, values=4, ahead=True)]
-"""Block sizes the sweep times: the default first, then output columns split over 2 or 4 programs (``values``)
-and the next block's scores ahead of the current block's p·V (``ahead``). Built for sm_90 by Triton 3.6: the
-default and values=2 at 32 rows a step take 181 KB of shared memory (one program a multiprocessor; 244 and 176
-registers); the 16-row candidates take 108 KB and at most 128 × 224 or 256 × 106 registers a program, so that
-two programs fit a multiprocessor. The 2026-12-02 sweep's other candidates (64 rows a step, 32 or 16 heads,
-rows_first, more stages) were slower than the default everywhere."""
+CANDIDATES = [LatentBlocks(64, 32, 8, 5, False, 3), LatentBlocks(64, 32, 8, 6, False, 4),
+              LatentBlocks(64, 64, 8, 3, False, 2), LatentBlocks(32, 32, 8, 5, False, 3),
+              LatentBlocks(32, 32, 4, 5, False, 3), LatentBlocks(32, 64, 4, 4, False, 3),
+              LatentBlocks(16, 32, 4, 5, False, 3), LatentBlocks(64, 32, 8, 4, True, 4)]
+"""Block sizes the sweep times: the default first, then more stages, 64 rows a step, 32 or 16 heads (two or four
+programs a token, each row read once per program) and rows_first (the queries as the right-hand operand); none
+beat the default on the 2026-12-02 sweep (``results/2026-12-02-h200-mla-attention-sweep.md``). Built for sm_90 by
+Triton 3.6 the default takes 181 KB of shared memory (one program a multiprocessor; 244 registers)."""
 SWEEP_SPLITS = {32: (4, 8, 16), 128: (1, 2)}
-"""Splits timed per batch size, for one program per (token, head block); a candidate with ``values`` programs
-per share takes these divided by ``values`` (the same number of programs)."""
-
-
-def sweep_splits(blocks: LatentBlocks, batch: int) -> tuple[int, ...]:
-    return tuple(sorted({max(1, s // blocks.values) for s in SWEEP_SPLITS[batch]}))
+"""Splits timed per batch size."""
 
 
 def make_case(batch: int, context: int, sparse: bool, prefill: bool = False, seed: int = 0) -> dict:
@@ -129,11 +121,11 @@ def warm(jobs: list[tuple]) -> None:
 
 def sweep(do_bench, graph_ms, l2_bytes: int) -> list[dict]:
     rows = []
-    for batch in SWEEP_SPLITS:
+    for batch, split_options in SWEEP_SPLITS.items():
         for sparse in (True, False):
             case = make_case(batch, 2048, sparse)
             for blocks in CANDIDATES:
-                for splits in sweep_splits(blocks, batch):
+                for splits in split_options:
                     row = {"batch": batch, "mode": "sparse" if sparse else "dense",
                            "blocks": dataclasses.asdict(blocks), "splits": splits}
                     try:
@@ -183,7 +175,7 @@ def main() -> int:
     jobs += [(None, 2048, 2048, True, True, None)]  # the table's, when it runs the default blocks
     if args.sweep:
         jobs += [(blocks, b, 2048, sparse, False, s) for blocks in CANDIDATES for b in SWEEP_SPLITS
-                 for s in sweep_splits(blocks, b) for sparse in (True, False)]
+                 for s in SWEEP_SPLITS[b] for sparse in (True, False)]
     warm(jobs)
     sweep_rows = sweep(do_bench, graph_ms, l2_bytes) if args.sweep else []
     blocks = best_blocks(sweep_rows) if sweep_rows else BLOCKS[torch.bfloat16]
@@ -193,7 +185,7 @@ def main() -> int:
             [("decode", b, c, s, False) for c in contexts for b in batches for s in (True, False)]
             + [("prefill", 2048, 2048, True, True)]):
         case = make_case(batch, context, sparse, prefill)
-        splits = latent_splits(case["tokens"], -(-HEADS // blocks.heads) * blocks.values, PICKS if sparse else context,
+        splits = latent_splits(case["tokens"], -(-HEADS // blocks.heads), PICKS if sparse else context,
                                case["cache"].device)
         us = time_us(case, do_bench, graph_ms, l2_bytes, blocks)
         nbytes = bytes_read(case)
@@ -220,11 +212,11 @@ def main() -> int:
               f"{r['TFLOPs']:.0f} | {r['rel_error']:.1e} |" for r in rows]
     if sweep_rows:
         lines += ["", "Sweep (context 2048): µs per call and share of 4.8 TB/s", "",
-                  "| B | mode | heads | rows | warps | stages | dense_stages | values | ahead | splits | µs "
-                  "| of 4.8 TB/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| B | mode | heads | rows | warps | stages | rows_first | dense_stages | splits | µs "
+                  "| of 4.8 TB/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['mode']} | {r['blocks']['heads']} | {r['blocks']['rows']} | "
-                  f"{r['blocks']['warps']} | {r['blocks']['stages']} | {r['blocks']['dense_stages']} | "
-                  f"{r['blocks']['values']} | {r['blocks']['ahead']} | {r['splits']} | "
+                  f"{r['blocks']['warps']} | {r['blocks']['stages']} | {r['blocks']['rows_first']} | "
+                  f"{r['blocks']['dense_stages']} | {r['splits']} | "
                   + (f"{r['us']:.1f} | {r['of_hbm']:.0%} |" if "us" in r else f"{r['error']} | |") for r in sweep_rows]
     print("\n".join(lines))
     if args.out:

@@ -152,19 +152,23 @@ def _build(kernel, signature: dict, constants: dict):
         raise
 
 
-def test_kernels_build_for_hopper_without_a_gpu():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernels_build_for_hopper_without_a_gpu(fp8):
+    """GLM-5's shapes with the default blocks; with ``fp8`` over FP8 rows (a byte cache, ``kernels.latent_fp8``)."""
     pytest.importorskip("triton")
-    from piecewise.kernels import mla
+    from piecewise.kernels import latent_fp8, mla
 
     names = ["q_latent_ptr", "q_rope_ptr", "cache_ptr", "indices_ptr", "slots_ptr", "positions_ptr", "out_ptr",
              "part_ptr", "stats_ptr", "scale", "max_seq", "picks", "splits", "chunk", "stride_ql_token",
              "stride_ql_head", "stride_qr_token", "stride_qr_head", "stride_cache_slot", "stride_cache_pos",
              "stride_index_token", "stride_index_pick", "stride_out_token", "stride_out_head"]
-    types = ["*bf16"] * 3 + ["*i32", "*i64", "*i64", "*bf16", "*fp32", "*fp32", "fp32"] + ["i32"] * 14
+    types = ["*bf16", "*bf16", "*u8" if fp8 else "*bf16", "*i32", "*i64", "*i64", "*bf16", "*fp32", "*fp32",
+             "fp32"] + ["i32"] * 14
     blocks = mla.BLOCKS[torch.bfloat16]
     constants = {"HEADS": 64, "HEAD_BLOCKS": 64 // blocks.heads, "LATENT": 512, "ROPE": 64, "BLOCK_R": 512,
                  "BLOCK_P": 64, "BLOCK_H": blocks.heads, "BLOCK_N": blocks.rows, "SPLIT": True, "SPARSE": True,
-                 "ROWS_FIRST": blocks.rows_first, "PRECISION": "tf32", "INTERPRETED": False}
+                 "ROWS_FIRST": blocks.rows_first, "PRECISION": "tf32", "INTERPRETED": False, "FP8": fp8,
+                 "TILE": latent_fp8.tile(512)}
     kernel = _build(mla._latent_attention_kernel, dict(zip(names, types)), constants)
     assert "mma" in kernel.asm["ptx"]
     names = ["part_ptr", "stats_ptr", "out_ptr", "splits", "stride_out_token", "stride_out_head"]

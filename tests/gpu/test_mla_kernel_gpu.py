@@ -111,16 +111,11 @@ def test_kernel_replays_in_a_cuda_graph_after_its_inputs_change_in_place(sparse,
 
 
 @pytest.mark.parametrize("blocks", [LatentBlocks(), LatentBlocks(32, 32, 8, 5), LatentBlocks(32, 64, 4, 4),
-                                    LatentBlocks(16, 32, 4, 5), LatentBlocks(values=2),
-                                    LatentBlocks(64, 16, 4, 3, dense_stages=2, values=2),
-                                    LatentBlocks(64, 16, 4, 3, dense_stages=2, values=4),
-                                    LatentBlocks(64, 16, 8, 3, dense_stages=2, values=4),
-                                    LatentBlocks(values=2, ahead=True), LatentBlocks(ahead=True),
-                                    LatentBlocks(64, 16, 4, 3, dense_stages=2, values=4, ahead=True),
-                                    LatentBlocks(32, 32, 4, 5, rows_first=True, values=2, ahead=True)])
+                                    LatentBlocks(16, 32, 4, 5), LatentBlocks(32, 32, 4, 5, rows_first=True)])
 @pytest.mark.parametrize("spread", [1.0, 4.0])
 def test_block_sizes_match_the_reference(blocks, spread):
-    """The tuning candidates, with queries scaled so that the running maxima grow by far from block to block."""
+    """Block sizes besides the default (fewer heads, more rows, rows first), with queries scaled so that the running
+    maxima grow by far from block to block."""
     generator = torch.Generator(device="cuda").manual_seed(6)
     q_latent, q_rope, cache, slots, positions, indices = decode(32, 2048, torch.bfloat16, generator)
     q_latent, q_rope = q_latent * spread, q_rope * spread

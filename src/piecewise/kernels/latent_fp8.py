@@ -42,14 +42,6 @@ def row_bytes(latent: int, rope: int) -> int:
     return latent + 4 * (latent // tile(latent)) + 2 * rope
 
 
-def split_width(width: int, rope: int) -> int:
-    """The latent width R of FP8 rows of ``width`` bytes holding ``rope`` rotated values (``row_bytes``' inverse)."""
-    for latent in range(4, width + 1, 4):
-        if latent + 4 * (latent // tile(latent)) + 2 * rope == width:
-            return latent
-    raise ValueError(f"{width} bytes is no FP8 latent row with {rope} rotated values")
-
-
 def quantize_rows(latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
     """latent [..., R], k_rope [..., P] → uint8 rows [..., ``row_bytes(R, P)``]."""
     r = latent.shape[-1]

@@ -22,10 +22,9 @@ case tuned: benchmarks/mla_attention.py --sweep, results in benchmarks/results/2
 all 64 heads of a token in one program (no row gathered twice), 8 warps, 32 rows a step, three row blocks in
 flight. The 64 × 512 float32 sum takes 128 registers a thread, so one program runs per multiprocessor; decode
 reaches about a quarter of HBM bandwidth, limited by instruction latency with 8 warps a multiprocessor rather
-than by memory. A float32 cache takes 16 heads and 16 rows a step (shared memory). Two structural variants are
-there for tuning: ``LatentBlocks.values`` splits the R output columns over several programs (each scoring every
-row, smaller sums, more programs a multiprocessor) and ``LatentBlocks.ahead`` computes the next row block's
-scores before the current block's softmax and p·V.
+than by memory. A float32 cache takes 16 heads and 16 rows a step (shared memory). FP8 rows (``latent_fp8``: a
+uint8 cache) take the same kernel and blocks, with the codes times their tile's scale read in place of the latent
+values (the ``FP8`` branches of the kernel).
 """
 
 from __future__ import annotations
@@ -63,16 +62,6 @@ class LatentBlocks:
     ``tl.dot`` (measured no faster at 64 heads)."""
     dense_stages: int = 3
     """``num_stages`` over contiguous rows (no picks to load: as many row blocks in flight as ``stages``)."""
-    values: int = 1
-    """Programs sharing one (token, head block, split)'s output columns (a power of 2; at least 16 columns each):
-    each computes the full scores of its rows but p·V only for its R / values columns, so its float32 sum is
-    R / values wide (fewer registers, more programs a multiprocessor). Each latent column is gathered once a
-    program: the score dot runs over the columns in pieces, the program's own piece first, which then serves p·V.
-    The value programs of one share are adjacent in the grid (their gathers of the same rows meet in L2)."""
-    ahead: bool = False
-    """The scores of the next row block before the current block's softmax and p·V (a software pipeline of the
-    dots: the next block's score dot can run while the current block's softmax does), the current block's rows
-    carried over from the step before."""
 
 
 BLOCKS = {torch.bfloat16: LatentBlocks(), torch.float16: LatentBlocks(),
@@ -144,51 +133,41 @@ if triton is not None:
         return rows_base + j[:, None] * stride_cache_pos, j_ok
 
     @triton.jit
-    def _latent_columns(rows, piece, j_ok, LATENT: tl.constexpr, BLOCK_V: tl.constexpr, FP8: tl.constexpr,
+    def _latent_columns(rows, j_ok, LATENT: tl.constexpr, BLOCK_R: tl.constexpr, FP8: tl.constexpr,
                         TILE: tl.constexpr, dtype):
-        """Latent columns ``piece`` · BLOCK_V .. + BLOCK_V - 1 of a row block → [BLOCK_N, BLOCK_V] in ``dtype``; FP8
-        rows (``latent_fp8``, rows point at bytes): each float8 code times its tile's float32 scale, the scales
-        loaded one per tile and row (not per value: a [rows, columns] float32 gather would take more shared memory
-        in flight than the rows themselves)."""
-        c = piece * BLOCK_V + tl.arange(0, BLOCK_V)
+        """The latent columns of a row block → [BLOCK_N, BLOCK_R] in ``dtype``; FP8 rows (``latent_fp8``, rows point
+        at bytes): each float8 code times its tile's float32 scale, the scales loaded one per tile and row (not per
+        value: a [rows, columns] float32 gather would take more shared memory in flight than the rows themselves)."""
+        c = tl.arange(0, BLOCK_R)
         mask = j_ok[:, None] & (c < LATENT)[None, :]
         if FP8:
             codes = tl.load((rows + c[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0)
             codes = codes.to(tl.float32)
             scale_ptr = (rows + LATENT).to(tl.pointer_type(tl.float32))  # [BLOCK_N, 1]
-            if TILE >= LATENT or BLOCK_V <= TILE:  # the piece lies in one tile: one scale a row
-                scale = tl.load(scale_ptr + (piece * BLOCK_V) // TILE, mask=j_ok[:, None], other=0.0)
+            if TILE >= LATENT or BLOCK_R <= TILE:  # one tile: one scale a row
+                scale = tl.load(scale_ptr, mask=j_ok[:, None], other=0.0)
                 values = codes * scale
-            else:  # BLOCK_V / TILE whole tiles (both powers of 2)
-                tiles = (piece * BLOCK_V) // TILE + tl.arange(0, BLOCK_V // TILE)
+            else:  # BLOCK_R / TILE whole tiles (both powers of 2)
+                tiles = tl.arange(0, BLOCK_R // TILE)
                 scale = tl.load(scale_ptr + tiles[None, :], mask=j_ok[:, None] & (tiles < LATENT // TILE)[None, :],
-                                other=0.0)  # [BLOCK_N, BLOCK_V // TILE]
-                values = tl.reshape(tl.reshape(codes, [codes.shape[0], BLOCK_V // TILE, TILE]) * scale[:, :, None],
-                                    [codes.shape[0], BLOCK_V])
+                                other=0.0)  # [BLOCK_N, BLOCK_R // TILE]
+                values = tl.reshape(tl.reshape(codes, [codes.shape[0], BLOCK_R // TILE, TILE]) * scale[:, :, None],
+                                    [codes.shape[0], BLOCK_R])
             columns = values.to(dtype)
         else:
             columns = tl.load(rows + c[None, :], mask=mask, other=0.0)
         return columns
 
     @triton.jit
-    def _scores(rows, j_ok, q_pieces, q_rope, value, p, p_ok, qk_scale, LATENT: tl.constexpr,
-                BLOCK_V: tl.constexpr, VALUES: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
-                FP8: tl.constexpr, TILE: tl.constexpr):
+    def _scores(rows, j_ok, q_latent, q_rope, p, p_ok, qk_scale, LATENT: tl.constexpr, BLOCK_R: tl.constexpr,
+                ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, TILE: tl.constexpr):
         """Scores (base 2, invisible rows at -inf) of one row block → ([BLOCK_H, BLOCK_N], or [BLOCK_N, BLOCK_H] when
-        ROWS_FIRST), and the block's latent columns of value piece ``value`` [BLOCK_N, BLOCK_V]. Piece k of
-        ``q_pieces`` holds the query columns of value piece (value + k) % VALUES: each latent column is gathered
-        once, the program's own piece serving both the scores and p·V."""
-        kv = _latent_columns(rows, value, j_ok, LATENT, BLOCK_V, FP8, TILE, q_rope.dtype)  # [BLOCK_N, BLOCK_V]
+        ROWS_FIRST), and the block's latent columns [BLOCK_N, BLOCK_R], which serve both the scores and p·V."""
+        kv = _latent_columns(rows, j_ok, LATENT, BLOCK_R, FP8, TILE, q_rope.dtype)  # [BLOCK_N, BLOCK_R]
         if ROWS_FIRST:
-            s = tl.dot(kv, q_pieces[0], input_precision=PRECISION)
+            s = tl.dot(kv, q_latent, input_precision=PRECISION)
         else:
-            s = tl.dot(q_pieces[0], tl.trans(kv), input_precision=PRECISION)
-        for k in tl.static_range(1, VALUES):
-            other = _latent_columns(rows, (value + k) % VALUES, j_ok, LATENT, BLOCK_V, FP8, TILE, q_rope.dtype)
-            if ROWS_FIRST:
-                s = tl.dot(other, q_pieces[k], acc=s, input_precision=PRECISION)
-            else:
-                s = tl.dot(q_pieces[k], tl.trans(other), acc=s, input_precision=PRECISION)
+            s = tl.dot(q_latent, tl.trans(kv), input_precision=PRECISION)
         if FP8:  # after the codes and the scales, in bfloat16
             k_rope = tl.load((rows + LATENT + 4 * (LATENT // TILE) + 2 * p[None, :]).to(tl.pointer_type(tl.bfloat16)),
                              mask=j_ok[:, None] & p_ok[None, :], other=0.0).to(q_rope.dtype)
@@ -224,22 +203,19 @@ if triton is not None:
         return acc, row_sum, row_max
 
     @triton.jit
-    def _latent_attention(
+    def _latent_attention_kernel(
         q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr, stats_ptr,
         scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token, stride_qr_head,
         stride_cache_slot, stride_cache_pos, stride_index_token, stride_index_pick, stride_out_token, stride_out_head,
         HEADS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, SPARSE: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr, VALUES: tl.constexpr, AHEAD: tl.constexpr, FP8: tl.constexpr, TILE: tl.constexpr,
+        INTERPRETED: tl.constexpr, FP8: tl.constexpr, TILE: tl.constexpr,
     ):
-        """One program of the attention: (token, head block, split, value program) from the flat program id."""
-        # One flat grid, value pieces fastest, then head blocks: the programs that gather the same rows run side by
-        # side (L2 hits).
-        BLOCK_V: tl.constexpr = BLOCK_R // VALUES
+        """One program of the attention: (token, head block, split) from the flat program id. ``FP8``: the cache
+        is bytes, ``latent_fp8``'s layout with ``TILE`` latent values a scale (not read otherwise)."""
+        # One flat grid, head blocks fastest: the programs that gather the same rows run side by side (L2 hits).
         program = tl.program_id(0)
-        value = program % VALUES  # this program's output columns: value * BLOCK_V .. + BLOCK_V - 1
-        program = program // VALUES
         head_block = program % HEAD_BLOCKS
         split = (program // HEAD_BLOCKS) % splits
         token = (program // (HEAD_BLOCKS * splits)).to(tl.int64)
@@ -250,14 +226,11 @@ if triton is not None:
         p = tl.arange(0, BLOCK_P)
         h_ok = h < HEADS
         p_ok = p < ROPE
-        q_pieces = ()  # the query's latent columns, value piece by value piece from this program's own
-        for k in tl.static_range(VALUES):
-            c = ((value + k) % VALUES) * BLOCK_V + tl.arange(0, BLOCK_V)
-            q_piece = tl.load(q_latent_ptr + token * stride_ql_token + h[:, None] * stride_ql_head + c[None, :],
-                              mask=h_ok[:, None] & (c < LATENT)[None, :], other=0.0)
-            if ROWS_FIRST:  # scores [rows, heads] and the sum transposed: the queries stay in shared memory
-                q_piece = tl.trans(q_piece)
-            q_pieces = q_pieces + (q_piece,)
+        c = tl.arange(0, BLOCK_R)
+        q_latent = tl.load(q_latent_ptr + token * stride_ql_token + h[:, None] * stride_ql_head + c[None, :],
+                           mask=h_ok[:, None] & (c < LATENT)[None, :], other=0.0)
+        if ROWS_FIRST:  # scores [rows, heads] and the sum transposed: the queries stay in shared memory
+            q_latent = tl.trans(q_latent)
         q_rope = tl.load(q_rope_ptr + token * stride_qr_token + h[:, None] * stride_qr_head + p[None, :],
                          mask=h_ok[:, None] & p_ok[None, :], other=0.0)
         rows_base = cache_ptr + slot * stride_cache_slot
@@ -265,92 +238,35 @@ if triton is not None:
         row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_H], tl.float32)
         if ROWS_FIRST:
-            acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
             q_rope = tl.trans(q_rope)
         else:
-            acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         # Sparse: every pick of the share (any may be visible). Dense: rows first .. position of the share only,
         # except in the interpreter, which cannot bound a loop by a loaded value: there, the whole share, masked.
         if SPARSE or INTERPRETED:
             steps = chunk
         else:
             steps = (tl.minimum(tl.minimum(first + chunk, position + 1), max_seq) - first).to(tl.int32)
-        if AHEAD:  # the scores of block i + 1 come before block i's softmax and p·V, whose dots they can overlap
+        for offset in range(0, steps, BLOCK_N):
             rows, j_ok = _picked_rows(indices_ptr, token, stride_index_token, stride_index_pick, rows_base,
-                                      stride_cache_pos, position, max_seq, picks, first, chunk, first, BLOCK_N, SPARSE)
-            s, kv = _scores(rows, j_ok, q_pieces, q_rope, value, p, p_ok, qk_scale, LATENT, BLOCK_V, VALUES,
-                            ROWS_FIRST, PRECISION, FP8, TILE)
-            for offset in range(BLOCK_N, steps, BLOCK_N):
-                rows, j_ok = _picked_rows(indices_ptr, token, stride_index_token, stride_index_pick, rows_base,
-                                          stride_cache_pos, position, max_seq, picks, first, chunk, first + offset,
-                                          BLOCK_N, SPARSE)
-                s_next, kv_next = _scores(rows, j_ok, q_pieces, q_rope, value, p, p_ok, qk_scale, LATENT, BLOCK_V,
-                                          VALUES, ROWS_FIRST, PRECISION, FP8, TILE)
-                acc, row_sum, row_max = _accumulate(acc, row_sum, row_max, s, kv, ROWS_FIRST, PRECISION)
-                s = s_next
-                kv = kv_next
+                                      stride_cache_pos, position, max_seq, picks, first, chunk, first + offset,
+                                      BLOCK_N, SPARSE)
+            s, kv = _scores(rows, j_ok, q_latent, q_rope, p, p_ok, qk_scale, LATENT, BLOCK_R, ROWS_FIRST, PRECISION,
+                            FP8, TILE)
             acc, row_sum, row_max = _accumulate(acc, row_sum, row_max, s, kv, ROWS_FIRST, PRECISION)
-        else:
-            for offset in range(0, steps, BLOCK_N):
-                rows, j_ok = _picked_rows(indices_ptr, token, stride_index_token, stride_index_pick, rows_base,
-                                          stride_cache_pos, position, max_seq, picks, first, chunk, first + offset,
-                                          BLOCK_N, SPARSE)
-                s, kv = _scores(rows, j_ok, q_pieces, q_rope, value, p, p_ok, qk_scale, LATENT, BLOCK_V, VALUES,
-                                ROWS_FIRST, PRECISION, FP8, TILE)
-                acc, row_sum, row_max = _accumulate(acc, row_sum, row_max, s, kv, ROWS_FIRST, PRECISION)
         if ROWS_FIRST:
             acc = tl.trans(acc)
-        c = value * BLOCK_V + tl.arange(0, BLOCK_V)
         ok = h_ok[:, None] & (c < LATENT)[None, :]
         if SPLIT:  # this share's unnormalised sum, its max (base 2) and its softmax denominator, for _combine_kernel
             row = (token * HEADS + h) * splits + split
             tl.store(part_ptr + row[:, None] * LATENT + c[None, :], acc, mask=ok)
-            stats_ok = h_ok & (h * 0 + value == 0)  # the value programs' maxima and denominators agree (to the rounding
-            # of their score sums, whose pieces each adds from its own): value program 0 writes them
-            tl.store(stats_ptr + row * 2, row_max, mask=stats_ok)
-            tl.store(stats_ptr + row * 2 + 1, row_sum, mask=stats_ok)
+            tl.store(stats_ptr + row * 2, row_max, mask=h_ok)
+            tl.store(stats_ptr + row * 2 + 1, row_sum, mask=h_ok)
         else:
             out = tl.where(row_sum[:, None] > 0, acc / row_sum[:, None], 0.0)  # no visible row: zeros
             tl.store(out_ptr + token * stride_out_token + h[:, None] * stride_out_head + c[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _latent_attention_kernel(
-        q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr, stats_ptr,
-        scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token, stride_qr_head,
-        stride_cache_slot, stride_cache_pos, stride_index_token, stride_index_pick, stride_out_token, stride_out_head,
-        HEADS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, SPARSE: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr,
-    ):
-        _latent_attention(
-            q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr,
-            stats_ptr, scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token,
-            stride_qr_head, stride_cache_slot, stride_cache_pos, stride_index_token, stride_index_pick,
-            stride_out_token, stride_out_head, HEADS, HEAD_BLOCKS, LATENT, ROPE, BLOCK_R, BLOCK_P, BLOCK_H,
-            BLOCK_N, SPLIT, SPARSE, ROWS_FIRST, PRECISION, INTERPRETED, 1, False, False, 1,
-        )
-
-    @triton.jit
-    def _latent_attention_variant_kernel(
-        q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr, stats_ptr,
-        scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token, stride_qr_head,
-        stride_cache_slot, stride_cache_pos, stride_index_token, stride_index_pick, stride_out_token, stride_out_head,
-        HEADS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, SPARSE: tl.constexpr, ROWS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr, VALUES: tl.constexpr, AHEAD: tl.constexpr, FP8: tl.constexpr, TILE: tl.constexpr,
-    ):
-        """``_latent_attention_kernel`` with ``LatentBlocks.values`` programs a share and ``LatentBlocks.ahead``,
-        or over FP8 rows (``FP8``: the cache is bytes, ``latent_fp8``'s layout with ``TILE`` values a scale)."""
-        _latent_attention(
-            q_latent_ptr, q_rope_ptr, cache_ptr, indices_ptr, slots_ptr, positions_ptr, out_ptr, part_ptr,
-            stats_ptr, scale, max_seq, picks, splits, chunk, stride_ql_token, stride_ql_head, stride_qr_token,
-            stride_qr_head, stride_cache_slot, stride_cache_pos, stride_index_token, stride_index_pick,
-            stride_out_token, stride_out_head, HEADS, HEAD_BLOCKS, LATENT, ROPE, BLOCK_R, BLOCK_P, BLOCK_H,
-            BLOCK_N, SPLIT, SPARSE, ROWS_FIRST, PRECISION, INTERPRETED, VALUES, AHEAD, FP8, TILE,
-        )
 
     @triton.jit
     def _combine_kernel(
@@ -382,7 +298,7 @@ SPLIT_PICKS = 64
 def latent_splits(tokens: int, head_blocks: int, picks: int, device: torch.device) -> int:
     """How many programs share one (token, head block)'s picks: as many as fit the multiprocessors in one wave
     when tokens × head blocks are fewer than them (decode of a few sequences), at least ``SPLIT_PICKS`` picks
-    each; 1 otherwise. ``head_blocks``: the programs of a token before splitting (head blocks × value programs)."""
+    each; 1 otherwise. ``head_blocks``: the programs of a token before splitting."""
     programs = tokens * head_blocks
     return max(1, min(_multiprocessors(device) // programs, picks // SPLIT_PICKS))
 
@@ -438,13 +354,8 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     block_h = min(blocks.heads, max(16, triton.next_power_of_2(heads)))
     head_blocks = -(-heads // block_h)
     picks = max_seq if indices is None else indices.shape[1]
-    block_r = max(16, triton.next_power_of_2(latent))
-    values = blocks.values
-    if values < 1 or values & (values - 1) or block_r // values < 16:
-        raise ValueError(f"blocks.values must be a power of 2 that leaves at least 16 of the {block_r} latent columns "
-                         f"to each program; got {values}")
     if splits is None:
-        splits = latent_splits(tokens, head_blocks * values, picks, q_latent.device)
+        splits = latent_splits(tokens, head_blocks, picks, q_latent.device)
     chunk = max(1, -(-picks // max(1, splits) // blocks.rows)) * blocks.rows  # ⌈picks / splits⌉ in whole steps
     splits = max(1, -(-picks // chunk))  # no split without picks
     if splits > 1:
@@ -453,20 +364,16 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     else:
         part = stats = out  # not written
     index = indices if indices is not None else slots  # not read when dense
-    variant = values > 1 or blocks.ahead or fp8
-    kernel = _latent_attention_variant_kernel if variant else _latent_attention_kernel
-    variant_constants = dict(VALUES=values, AHEAD=blocks.ahead, FP8=fp8, TILE=latent_fp8.tile(latent)) if variant \
-        else {}
-    kernel[(tokens * splits * head_blocks * values,)](
+    _latent_attention_kernel[(tokens * splits * head_blocks,)](
         q_latent, q_rope, cache, index, slots, positions, out, part, stats, scale, max_seq, picks, splits, chunk,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), cache.stride(1),
         index.stride(0), index.stride(1) if indices is not None else 1, out.stride(0), out.stride(1),
-        HEADS=heads, HEAD_BLOCKS=head_blocks, LATENT=latent, ROPE=rope, BLOCK_R=block_r,
+        HEADS=heads, HEAD_BLOCKS=head_blocks, LATENT=latent, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(latent)),
         BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=blocks.rows, SPLIT=splits > 1,
         SPARSE=indices is not None, ROWS_FIRST=blocks.rows_first,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", **variant_constants, num_warps=blocks.warps,
-        num_stages=blocks.stages if indices is not None else blocks.dense_stages,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", FP8=fp8, TILE=latent_fp8.tile(latent),
+        num_warps=blocks.warps, num_stages=blocks.stages if indices is not None else blocks.dense_stages,
     )
     if splits > 1:
         _combine_kernel[(tokens, heads)](
