@@ -2,7 +2,8 @@
 runner with every per-call check and through the same runner with them bypassed, in one process, in turn.
 
 The checks of a call: the runner lock, parameter and buffer addresses (``ParameterWatch``), the global state,
-train mode and argument kinds (``CallGuard``), and breakable's attribute watch; the rest of the call path is the
+train mode and argument kinds (``CallGuard``), breakable's attribute watch, and the front-end's state check before a
+full-graph replay (Dynamo's guards of the first trace; breakable's attribute reads); the rest of the call path is the
 same for both. Both front-ends, piecewise and full graphs (the default), B = 1 and 8.
 
     PYTHONPATH=src python benchmarks/check_cost.py --out DIR
@@ -45,10 +46,20 @@ class _NoWatch:
 
 def unchecked(runner):
     """The runner's call path with the per-call checks bypassed: a shallow copy (the same state, front-end, graphs
-    and buffers) whose guard and watch check nothing, called without the lock."""
+    and buffers) whose guard and watch check nothing, called without the lock, with the front-end's state check
+    before full-graph replays skipped."""
     copy = __import__("copy").copy(runner)
     copy.guard, copy.watch = _NoGuard(), _NoWatch()
-    return lambda *args: copy._call(args, {})
+    frontend = runner.frontend
+
+    def call(*args):
+        frontend.check_state = lambda arguments, full: None
+        try:
+            return copy._call(args, {})
+        finally:
+            del frontend.check_state
+
+    return call
 
 
 def main() -> int:
