@@ -554,15 +554,16 @@ def test_a_batch_first_model_with_its_cache_in_buffers_runs_with_tokens_first():
 
 
 @pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
-@pytest.mark.parametrize("dynamic", [None, {"idx": 1, "input_pos": 0}])
-def test_a_batch_first_model_runs_called_in_its_own_layout(frontend, dynamic):
-    """gpt-fast called as it is: ids [1, T] (the tokens in dimension 1, found by themselves or named), positions [T],
-    caches in buffers. Prefill, a second chunk and decode steps equal eager, caches included."""
+@pytest.mark.parametrize("dynamic,batch", [(None, 1), ({"idx": 1, "input_pos": 0}, 1), (None, 2)])
+def test_a_batch_first_model_runs_called_in_its_own_layout(frontend, dynamic, batch):
+    """gpt-fast called as it is: ids [batch, T] (the tokens in dimension 1, found by themselves — beside positions
+    of T rows — or named), positions [T], caches in buffers of the batch's rows. Prefill, a second chunk and decode
+    steps equal eager, caches included."""
     from fixtures.state_models import BatchFirstCache
 
     torch.manual_seed(0)
-    model = BatchFirstCache().eval()
-    ids = torch.randint(0, 100, (1, 11))
+    model = BatchFirstCache(batch=batch).eval()
+    ids = torch.randint(0, 100, (batch, 11))
 
     def generate(call):
         for layer in model.layers:
@@ -584,6 +585,34 @@ def test_a_batch_first_model_runs_called_in_its_own_layout(frontend, dynamic):
     assert runner.stats["padded_calls"] >= 2 and runner.stats["eager_calls"] == 0
     if frontend == "dynamo":  # the compiled forward is called without Dynamo's frame hook, as for any model
         assert runner.frontend.tracer.direct is not None and runner.frontend.tracer.last_direct
+
+
+class PerSequenceTemperature(torch.nn.Module):
+    """A batch-first model with a per-sequence argument of as many rows as the batch: the tokens' dimension is
+    ambiguous, and piecewise takes dimension 0 of the ids."""
+
+    def __init__(self):
+        super().__init__()
+        from fixtures.state_models import BatchFirstCache
+
+        self.inner = BatchFirstCache(batch=2)
+
+    def forward(self, idx, input_pos, temperature):
+        return self.inner(idx, input_pos) / temperature[:, None, None]
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_refusal_from_the_token_dimension_taken_by_default_says_which_and_how_to_name_another(frontend):
+    torch.manual_seed(0)
+    runner = piecewise.compile(PerSequenceTemperature().eval(),
+                               piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    from piecewise.errors import ForwardRefused
+
+    with torch.no_grad(), pytest.raises(ForwardRefused) as refused:
+        runner(torch.randint(0, 100, (2, 5)), torch.arange(5), torch.ones(2))
+    assert "piecewise took dimension 0 of 'idx' (shape (2, 5) at the first call) for the tokens by itself" \
+        in str(refused.value)
+    assert "dynamic={'idx': 1, ...}" in str(refused.value)
 
 
 class Scale(torch.nn.Module):

@@ -1,6 +1,7 @@
 """Forwards that read the token count as a value, model state changed after the first call, tensors kept in module
 attributes: refused, served by the model's own forward, or named in a warning; never silently wrong."""
 
+import re
 import warnings
 
 import pytest
@@ -125,6 +126,46 @@ def test_a_class_default_flag_assigned_after_the_first_call_is_refused_by_breaka
     with torch.no_grad(), pytest.raises(ValueError, match=r"`last_only` was assigned after the first call, and the "
                                                           r"forward reads it at .*if self.last_only"):
         _calls(model, runner, [5, 1, 3], flip_at=2)
+
+
+class Lengths:
+    """Attention metadata as engines pass it: a Python length that changes every step."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+
+
+class ReadsLength(TinyLlama):
+    def forward(self, input_ids, positions, kv_cache, meta):
+        logits = super().forward(input_ids, positions, kv_cache)
+        return logits * (positions < meta.max_len - 1)[:, None]  # read in plain code, not inside a splitting op
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_python_length_in_a_metadata_object_that_changes_every_step_is_named_and_served_eagerly(frontend):
+    """The graphs hold the first call's length: later steps run the model's own forward (equal to eager), and the
+    one warning names the value (Dynamo: its guard and the model line) and says how to pass such a value."""
+    torch.manual_seed(0)
+    model = ReadsLength(CONFIG).eval()
+    runner = piecewise.compile(model, _config(frontend))
+    cache, reference = model.make_kv_cache(), model.make_kv_cache()
+    ids, start = torch.randint(0, 64, (64,)), 0
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for tokens in [5, 1, 1, 3, 1]:
+            positions = torch.arange(start, start + tokens)
+            out = runner(ids[start:start + tokens], positions, cache, Lengths(start + tokens))
+            with torch.inference_mode():
+                want = model(ids[start:start + tokens], positions, reference, Lengths(start + tokens))
+            torch.testing.assert_close(out, want)
+            start += tokens
+    torch.testing.assert_close(cache, reference)
+    messages = [str(w.message) for w in caught if "piecewise" in str(w.message)]
+    assert len(messages) == 1, messages
+    named = r"L\['meta'\]\.max_len == 5, .*test_trust_count_and_state.py:\d+ in forward" if frontend == "dynamo" \
+        else r"argument 'meta' holds other values than at the first call \(field `max_len`\)"
+    assert re.search(named, messages[0]), messages[0]
+    assert "must reach the forward as a tensor, or be read only inside a splitting op" in messages[0]
 
 
 class KeepsHidden(TinyLlama):

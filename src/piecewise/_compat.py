@@ -117,6 +117,39 @@ def compiled_entry(code: types.CodeType) -> tuple[types.CodeType, Callable[[dict
     return transformed, check
 
 
+def failed_guard(check: Callable[[dict], bool], frame_locals: dict) -> str | None:
+    """The first guard of a compiled entry's check (``compiled_entry``) that ``frame_locals`` fail, on one line
+    (``L['meta'].max_len == 5, model.py:12 in forward``: the guard, then where the model read it); None where this torch does not say."""
+    verbose = getattr(getattr(check, "__self__", None), "check_verbose", None)
+    try:
+        parts = getattr(verbose(frame_locals), "verbose_code_parts", None) if verbose else None
+    except Exception:  # noqa: BLE001 - a torch whose verbose check wants more than the frame's locals
+        return None
+    if not parts:
+        return None
+    guard, *notes = (" ".join(part.split()) for part in str(parts[0]).split("#"))
+    where = next((note for note in reversed(notes) if note), "")
+    return f"{guard}, {where}" if where else guard
+
+
+@contextlib.contextmanager
+def conds_as_branches() -> Iterator[None]:
+    """``torch.cond`` as the Python ``if`` it stands for, while the breakable front-end runs the forward under its
+    dispatch mode: torch's eager ``cond`` compiles itself with Dynamo, which no dispatch mode of ours may enter (and
+    after a failure there torch's later eager ``cond`` calls fail too). The predicate then reaches the host as a
+    Python ``if`` on a tensor does, and the branch's ops run as the forward's own."""
+    original = torch.cond
+
+    def cond(pred, true_fn, false_fn, operands=(), *args, **kwargs):
+        return (true_fn if bool(pred) else false_fn)(*operands)
+
+    torch.cond = cond
+    try:
+        yield
+    finally:
+        torch.cond = original
+
+
 def non_owning_alias(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor viewing ``tensor``'s memory without keeping it allocated (CUDA graph outputs).
 

@@ -11,15 +11,17 @@ from piecewise.errors import ForwardRefused
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("frontend, dynamic, compiler", [
-    ("dynamo", None, "eager"), ("breakable", None, "eager"), ("dynamo", {"idx": 1, "input_pos": 0}, "eager"),
-    ("breakable", {"idx": 1, "input_pos": 0}, "eager"), ("auto", None, "auto")])
-def test_a_gpt_fast_style_model_decodes_batch_first_with_graphs(frontend, dynamic, compiler):
+@pytest.mark.parametrize("frontend, dynamic, compiler, batch", [
+    ("dynamo", None, "eager", 1), ("breakable", None, "eager", 1), ("dynamo", {"idx": 1, "input_pos": 0}, "eager", 1),
+    ("breakable", {"idx": 1, "input_pos": 0}, "eager", 1), ("auto", None, "auto", 1), ("dynamo", None, "eager", 3),
+    ("breakable", None, "eager", 3)])
+def test_a_gpt_fast_style_model_decodes_batch_first_with_graphs(frontend, dynamic, compiler, batch):
+    """Batch 3: ids [3, T] beside positions [T], the tokens found in dimension 1 by themselves."""
     from fixtures.state_models import BatchFirstCache
 
     torch.manual_seed(0)
-    model = BatchFirstCache().cuda().eval()
-    ids = torch.randint(0, 100, (1, 14), device="cuda")
+    model = BatchFirstCache(batch=batch).cuda().eval()
+    ids = torch.randint(0, 100, (batch, 14), device="cuda")
 
     def generate(call):
         for layer in model.layers:

@@ -57,6 +57,8 @@ class SplitCall:
     cut: bool = False
     """An in-place write cut out of the graphs: inside a full graph only where the call has no pad row
     (``CaptureState.full_exact``)."""
+    host: bool = False
+    """A branch the host takes on a device value (``torch.cond``): never inside a full graph."""
     by_shape: bool = False
     """No roles known (Dynamo after a graph break, where sizes are symbolic or not; a breakable call site its survey
     did not see): each size's token inputs are the non-static tensors as long as its padded size in dimension 0
@@ -73,6 +75,8 @@ class SplitCall:
         real-row views are made once."""
         state = self.state
         if call.full:
+            if self.host:
+                raise FullGraphRefused(f"{self.name} takes a branch on the host at every call: no graph can hold it")
             if self.cut and call.num_tokens == call.size:  # no pad row: the write is exact inside the graph
                 state.full_exact = True
                 return self.body(args)
@@ -83,6 +87,8 @@ class SplitCall:
             return self.body(args)
         rows, size = call.num_tokens, call.size
         state.cut_runs += self.cut
+        if self.host:
+            state.host_branch = self.name
         roles = self._roles(args, size) if self.by_shape else self.roles
         if (roles.counts or roles.fixed) and not keep_views:
             self._check_counts(args, size, roles)

@@ -90,7 +90,9 @@ class SplitOpRunner:
         self.call = self._direct_call(module) or module.forward
         call = self.call
         roles = Roles() if by_shape else traced_roles(module, cut, sizes)
-        self.split = SplitCall(op, lambda args: call(*args), roles, state, probed=not cut, cut=cut, by_shape=by_shape)
+        host = any(isinstance(node.target, torch._ops.HigherOrderOperator) for node in module.graph.nodes)
+        self.split = SplitCall(op, lambda args: call(*args), roles, state, probed=not cut, cut=cut, host=host,
+                               by_shape=by_shape)
 
     @staticmethod
     def _direct_call(module: torch.fx.GraphModule) -> Callable | None:

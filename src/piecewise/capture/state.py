@@ -83,6 +83,8 @@ class CaptureState:
     """Runs of in-place writes into static tensors cut out of the pieces (``SplitCall.cut``) on a call's real rows."""
     full_exact: bool = False
     """Full graphs hold such writes: each serves only calls of exactly its size (no pad row to write)."""
+    host_branch: str | None = None
+    """A ``torch.cond`` (``SplitCall.host``) that ran: no full graph can hold it."""
 
     def retire_pool(self) -> None:
         """Give later captures a fresh pool after a capture that failed to end in ``pool``.

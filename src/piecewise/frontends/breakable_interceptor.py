@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .. import _compat
 from ..capture.buffers import InputStager
 from ..capture.segment import Segment
 from ..capture.splitcall import Roles, SplitCall
@@ -101,7 +102,7 @@ class Interceptor(TorchDispatchMode):
             self.outside = OutsideTensors(self.frontend, arguments)
         self._begin()
         try:
-            with watching_regions(self.outside):
+            with watching_regions(self.outside), _compat.conds_as_branches():
                 output = self.frontend.call_forward(arguments)
         except BaseException as exc:
             capturing = self.segment is not None

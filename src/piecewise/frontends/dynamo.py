@@ -22,6 +22,7 @@ from ..capture.state import STATE_CHANGE
 from ..errors import CaptureFailed, ForwardRefused, StateChanged
 from ..graph.guards import token_guard_failures
 from ..graph.stack import node_stack
+from ..graph.split import eager_higher_order
 from ..graph.tokens import is_token_tensor, node_place, token_mixing_nodes, user_line
 from ..graph.writes import accumulates, describe_write, writes_to_inputs
 from ..opaque import op_name, resolve_splitting_ops
@@ -120,7 +121,7 @@ class DynamoFrontend:
                 return
         except Exception:  # noqa: BLE001 - a torch whose guard check wants more (DirectCall turns itself off)
             return
-        guard, _ = _compat.last_guard_failure(self.tracer.method) or (None, None)
+        guard = _compat.failed_guard(direct.check, direct.frame_locals(arguments))
         raise StateChanged("the model's state fails a guard of the first call's trace" + (
             f" (`{guard}`)" if guard else "") + ": a flag or Python value the forward reads changed since")
 
@@ -384,6 +385,7 @@ def static_writes(graph: torch.fx.GraphModule, token_inputs: list, splitting: fr
                 "state_update", node_stack(writer),
             )
         eager[writer] = f"{what} into {target}" + (f" ({where})" if where else "")
+    eager.update(eager_higher_order(graph))
     if eager:
         logger.info(
             "piecewise: %d in-place write(s) into static tensors run eagerly between pieces, on the real rows "

@@ -12,7 +12,7 @@ from ..diagnostics.classify import is_stdlib, is_torch_internal
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
 # piecewise's own machinery; its bundled models (models/) and integrations are model code a user reads.
 _MACHINERY = tuple(_PACKAGE + part for part in ("capture", "frontends", "runtime", "graph", "diagnostics", "context.py",
-                                                 "opaque.py", "diagnose.py"))
+                                                 "opaque.py", "diagnose.py", "_compat.py"))
 
 
 def user_chain() -> list[traceback.FrameSummary]:

@@ -11,6 +11,10 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from ..opaque import op_name
+from .tokens import user_line
+
+EAGER_HIGHER_ORDER = frozenset({"cond", "while_loop", "map"})
+"""Higher-order ops whose branch or trip count comes from device values: no CUDA graph can hold them."""
 
 
 @dataclass
@@ -46,6 +50,8 @@ def split_graph(
     for node in graph.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
+        if node.op == "get_attr" and node.users and all(user in eager_nodes for user in node.users):
+            continue  # a higher-order op's branch: goes with the op
         op = eager_nodes.get(node) or _is_split_node(node, splitting_ops)
         if op is not None:
             current += 1
@@ -55,6 +61,9 @@ def split_graph(
         else:
             partition_of[node] = current
 
+    for node in graph.graph.nodes:
+        if node.op == "get_attr" and node not in partition_of:
+            partition_of[node] = partition_of[next(iter(node.users))]
     split = split_module(graph, None, lambda node: partition_of[node], keep_original_order=True)
     partitions = []
     for node in split.graph.nodes:
@@ -63,3 +72,15 @@ def split_graph(
         index = int(node.target.rsplit("_", 1)[1])
         partitions.append(Partition(node.target, getattr(split, node.target), split_names.get(index)))
     return split, partitions
+
+
+def eager_higher_order(graph: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """``torch.cond``, ``while_loop``, ``map`` nodes → a label each: they run eagerly between the pieces, on the real
+    rows (their predicate read on the host at every call), their branches' subgraphs with them."""
+    found = {}
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) \
+                and node.target.name() in EAGER_HIGHER_ORDER:
+            where = user_line(node)
+            found[node] = f"torch.{node.target.name()}" + (f" ({where})" if where else "")
+    return found

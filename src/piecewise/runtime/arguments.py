@@ -130,6 +130,8 @@ class Arguments:
         at the first call (positions, slot mappings). Larger tensors (KV caches) stay static. A first argument of
         token ids shaped [1, n > 1] is one sequence of n tokens, batch-first (gpt-fast's ``idx``, transformers'
         ``input_ids``): its dim 1, with every other [1, n] (dim 1) and [n] (dim 0) tensor argument.
+        So is one shaped [b > 1, n] beside a 1-D tensor argument of n rows (gpt-fast's ``input_pos``, transformers'
+        ``cache_position``) and no other of b rows: b sequences of n tokens each, the batch static.
         Where the first argument is None (vLLM's ``input_ids`` beside ``inputs_embeds``), the first tensor argument
         leads. Returns (token arguments → 0, those whose own token dimension is 1 → 1)."""
         lead = self.names[0]
@@ -137,14 +139,13 @@ class Arguments:
             lead = next((name for name in [*self.names, *arguments] if isinstance(arguments.get(name), torch.Tensor)),
                         lead)
         first = arguments.get(lead)
-        if isinstance(first, torch.Tensor) and first.dim() == 2 and first.shape[0] == 1 and first.shape[1] > 1 \
-                and not first.is_floating_point() and not first.is_complex():
-            count = first.shape[1]
+        if _batch_first(first, arguments):
+            batch, count = first.shape
             moved = {name: 1 for name, value in arguments.items() if isinstance(value, torch.Tensor)
-                     and value.dim() == 2 and tuple(value.shape) == (1, count)}
+                     and value.dim() == 2 and tuple(value.shape) == (batch, count)}
             flat = [name for name, value in arguments.items() if isinstance(value, torch.Tensor)
                     and value.dim() == 1 and value.shape[0] == count]
-            logger.info("piecewise: token arguments, batch-first ([1, tokens]): %s", ", ".join([*moved, *flat]))
+            logger.info("piecewise: token arguments, batch-first ([%d, tokens]): %s", batch, ", ".join([*moved, *flat]))
             return {name: 0 for name in [*moved, *flat]}, moved
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             raise ValueError(
@@ -188,6 +189,20 @@ class Arguments:
         if count == 0:
             raise ValueError("piecewise: called with 0 tokens; call with at least one token")
         return count
+
+    def lead_note(self) -> str:
+        """Which dimension piecewise took for the tokens by itself and how to name another; '' where the caller
+        named them or the first token argument has one dimension."""
+        if self.dynamic_given or not self.dynamic:
+            return ""
+        lead = next(iter(self.dynamic))
+        shape = self.user_shape(lead, self.first_shapes.get(lead, ()))
+        if len(shape) < 2:
+            return ""  # one dimension: nothing else it could have taken
+        dim = self.moved.get(lead, 0)
+        return (f" piecewise took dimension {dim} of {lead!r} (shape {shape} at the first call) for the tokens by "
+                f"itself; if they lie in another dimension, name it: piecewise.compile(model, dynamic={{{lead!r}: "
+                f"{1 - dim}, ...}}) with every other token argument's dimension.")
 
     def taken_note(self) -> str:
         """How piecewise chose the token arguments by itself, and how to name them, where it did; '' where the
@@ -325,3 +340,16 @@ def nested_rows(arguments: dict[str, Any], tokens: int) -> list[str]:
         found += [f"{name}.{key}" if not isinstance(key, int) else f"{name}[{key}]" for key, item in items
                   if isinstance(item, torch.Tensor) and item.dim() > 0 and item.shape[0] == tokens]
     return found
+
+
+def _batch_first(first: Any, arguments: dict[str, Any]) -> bool:
+    """Token ids shaped [1, n > 1], or [b > 1, n] beside a 1-D tensor argument of n rows and no other tensor
+    argument of b rows but those shaped [b, n]: the tokens lie in dimension 1."""
+    if not isinstance(first, torch.Tensor) or first.dim() != 2 or first.is_floating_point() or first.is_complex():
+        return False
+    batch, count = first.shape
+    if batch == 1:
+        return count > 1
+    others = [value for value in arguments.values() if isinstance(value, torch.Tensor) and value is not first]
+    return batch != count and any(value.dim() == 1 and value.shape[0] == count for value in others) and not any(
+        value.dim() >= 1 and value.shape[0] == batch and tuple(value.shape) != (batch, count) for value in others)

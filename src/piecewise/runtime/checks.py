@@ -294,7 +294,7 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         f"from a call: per-token metadata (a position, a cache slot, a sequence index per token) does; per-sequence "
         f"lengths or cumulative offsets that must add up to the call's rows do not. Pass per-token arguments and "
         f"derive what a kernel needs inside a splitting op (piecewise.opaque_op(..., split=True)), which sees the "
-        f"real rows." + other_token_dims(core.arguments, arguments, tokens),
+        f"real rows." + (other_token_dims(core.arguments, arguments, tokens) or core.arguments.lead_note()),
         "token_layout",
     ) from error
 

@@ -86,6 +86,12 @@ def prepare(core: Core, arguments: dict[str, Any]) -> None:
     before, generators = ModuleState(core.model), RandomState()
     try:
         _prepare(core, arguments, before)
+    except ForwardRefused as exc:
+        before.restore()
+        note = core.arguments.lead_note()  # a refusal of the count's use may come from the wrong dimension taken
+        if exc.kind in (BlockerKind.TOKEN_BRANCH, BlockerKind.TOKEN_LAYOUT) and note and note not in str(exc):
+            exc.args = (str(exc) + note, *exc.args[1:])
+        raise
     except BaseException:
         before.restore()
         raise

@@ -106,6 +106,9 @@ class FullGraphs:
         tentative, self.tentative = self.tentative, False
         if self.mode == "piecewise":
             return
+        if state.host_branch:
+            self.refuse(f"{state.host_branch} takes a branch on the host at every call: no graph can hold it")
+            return
         if tentative and (not state.cut_runs or graph_breaks):
             self.refuse("no splitting op" + (" and graph breaks" if state.cut_runs else ", no write cut out: the "
                                              "pieces are the whole forward"), warn=False)

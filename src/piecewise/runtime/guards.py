@@ -122,7 +122,9 @@ class CallGuard:
         warnings.warn(
             f"piecewise: {difference}. The graphs were captured for the first call's, so such calls run the model's "
             f"own forward, without CUDA graphs (the same numbers as eager, slower). Call it as at the first call, or "
-            f"compile a separate runner for this variant.", stacklevel=3)
+            f"compile a separate runner for this variant; a value that changes from call to call (a length, a step) "
+            f"must reach the forward as a tensor, or be read only inside a splitting op "
+            f"(piecewise.opaque_op(..., split=True)).", stacklevel=3)
 
 
 def _kind(value: Any, token: bool, deep: bool) -> tuple:
