@@ -96,6 +96,14 @@ def test_a_corrupt_entry_is_a_miss_with_one_log_line_and_is_written_again(tmp_pa
     assert json.loads(path.read_text())["frontend"] == "breakable"  # whole again
 
 
+def test_an_entry_found_with_the_front_end_given_by_the_config_is_said_so(tmp_path):
+    runner, output, _ = first_call(bm.make("mlp"), tmp_path, frontend="breakable")
+    assert runner.stats["cache"] == "miss"
+    again, output_again, _ = first_call(bm.make("mlp"), tmp_path, frontend="breakable")
+    assert again.stats["cache"] == "hit, front-end given by the config"
+    torch.testing.assert_close(output_again, output)
+
+
 def test_a_recorded_front_end_that_fails_now_falls_back_to_the_search(tmp_path):
     """An entry only orders the candidates: one recording Dynamo for a model Dynamo cannot take (a JIT call added
     after the entry was written, say) costs a failed trial, never a wrong result."""

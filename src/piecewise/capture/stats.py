@@ -60,7 +60,8 @@ class Stats(MutableMapping):
     the error that stopped it)."""
     cache: str = ""
     """The persistent cache at the first call: ``"off"``, ``"miss"`` (an entry written after it), ``"hit"`` (the
-    front-end recorded there taken directly) or ``"hit, not taken: ..."``."""
+    front-end recorded there taken directly), ``"hit, front-end given by the config"`` (an explicit ``frontend``:
+    only the compiler choice recorded there is taken) or ``"hit, not taken: ..."``."""
     compiled_regions: int = 0
     """Regions of the forward Inductor compiled under the breakable front-end (``compiler="inductor"``): the code
     between Dynamo's graph breaks; what lies outside them runs op by op while capturing."""

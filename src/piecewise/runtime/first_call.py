@@ -245,6 +245,8 @@ def _open_cache(core: Core):
         core.stats.cache = "off"
         return None, None, None, None
     core.stats.cache = "miss"
+    if entry is not None and (core.config.frontend != "auto" or core.config.strict):
+        core.stats.cache = "hit, front-end given by the config"  # its compiler choice may still be taken
     if entry is None or core.config.frontend != "auto" or core.config.strict:
         return store, key, described, None
     candidate = next((c for c in _candidates(core) if c.name == entry["frontend"] and
