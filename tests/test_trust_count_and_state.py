@@ -56,7 +56,7 @@ def test_a_mask_of_the_last_row_made_from_the_count_is_refused(frontend, graph_m
     model = LastRowMask(CONFIG).eval()
     runner = piecewise.compile(model, _config(frontend, graph_mode=graph_mode))
     cache = model.make_kv_cache()
-    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"takes the token count for a value.*between the call "
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"takes the token count or the padding for a value.*between the call "
                                                                r"run as it is and padding to \d+ tokens") as refused:
         runner(torch.randint(0, 64, (9,)), torch.arange(9), cache)
     assert refused.value.kind == "token_mixing"
@@ -71,7 +71,7 @@ def test_an_expert_capacity_computed_from_the_count_is_refused(frontend):
     with torch.no_grad():
         eager = model(x)
         assert (eager.abs().sum(-1) == 0).any(), "no token was dropped at 9 tokens: nothing to test"
-        with pytest.raises(ForwardRefused, match="takes the token count for a value"):
+        with pytest.raises(ForwardRefused, match="takes the token count or the padding for a value"):
             runner(x)
 
 
@@ -166,6 +166,46 @@ def test_a_python_length_in_a_metadata_object_that_changes_every_step_is_named_a
         else r"argument 'meta' holds other values than at the first call \(field `max_len`\)"
     assert re.search(named, messages[0]), messages[0]
     assert "must reach the forward as a tensor, or be read only inside a splitting op" in messages[0]
+
+
+class Settings:
+    """A model's settings object, as transformers' ``config``: fields the forward reads."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+
+class ReadsSetting(TinyLlama):
+    def __init__(self, config):
+        super().__init__(config)
+        self.settings = Settings()
+
+    def forward(self, input_ids, positions, kv_cache):
+        return super().forward(input_ids, positions, kv_cache) * self.settings.scale
+
+
+def test_a_settings_field_changed_after_the_first_call_is_refused_by_breakable_and_followed_by_dynamo():
+    """Breakable replays no Python: a field of the module's settings object the forward read (``config.window``)
+    and changed afterwards is named; Dynamo's guard on it fails and the model's own forward serves the call."""
+    for frontend in ("breakable", "dynamo"):
+        torch.manual_seed(0)
+        model = ReadsSetting(CONFIG).eval()
+        runner = piecewise.compile(model, _config(frontend))
+        cache, reference = model.make_kv_cache(), model.make_kv_cache()
+        ids = torch.randint(0, 64, (9,))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner(ids[:5], torch.arange(5), cache)
+            model(ids[:5], torch.arange(5), reference)
+            model.settings.scale = 3.0
+            if frontend == "breakable":
+                with pytest.raises(ValueError, match=r"`settings.scale` changed after the first call, and the "
+                                                     r"forward reads it at .*self.settings.scale"):
+                    runner(ids[5:8], torch.arange(5, 8), cache)
+                continue
+            out = runner(ids[5:8], torch.arange(5, 8), cache)
+            torch.testing.assert_close(out, model(ids[5:8], torch.arange(5, 8), reference))
+            torch.testing.assert_close(cache, reference)
 
 
 class KeepsHidden(TinyLlama):

@@ -192,3 +192,61 @@ def test_a_forward_that_draws_random_numbers_is_named_in_a_warning(frontend):
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend=frontend, cache_dir=None))
     with torch.no_grad(), pytest.warns(UserWarning, match="draws random numbers.*moves on by the padded count"):
         runner(torch.arange(5), torch.arange(5), model.make_kv_cache())
+
+
+def test_hooks_on_the_compiled_module_are_refused_where_breakable_compiles_its_regions():
+    """Inductor's regions compile the module's forward, not its call: the hook would not be in the graphs."""
+    torch.manual_seed(0)
+    model = TinyLlama(CONFIG).eval()
+    model.register_forward_hook(double)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend="breakable",
+                                                              compiler="inductor", cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match="regions Inductor compiles") as info:
+        runner(torch.arange(5), torch.arange(5), model.make_kv_cache())
+    assert info.value.kind == "module_hook"
+
+
+def scale_input_embeddings(module, args):
+    """A pre-hook written for the positional call ``model(input_ids, positions, cache)``."""
+    return (args[0] % 32, *args[1:])
+
+
+def test_a_positional_pre_hook_on_the_compiled_module_is_refused_by_breakable_and_a_keyword_one_runs():
+    torch.manual_seed(0)
+    model = TinyLlama(CONFIG).eval()
+    handle = model.register_forward_pre_hook(scale_input_embeddings)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend="breakable", cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match="with_kwargs=True") as info:
+        runner(torch.arange(5), torch.arange(5), model.make_kv_cache())
+    assert info.value.kind == "module_hook"
+    handle.remove()
+    model.register_forward_pre_hook(lambda module, args, kwargs: (args, {**kwargs, "input_ids": kwargs["input_ids"]
+                                                                         % 32}), with_kwargs=True)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend="breakable", cache_dir=None))
+    ours, theirs = model.make_kv_cache(), model.make_kv_cache()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for start, stop in ((0, 5), (5, 8), (8, 9)):
+            ids = torch.arange(start, stop) + 40
+            got = runner(input_ids=ids, positions=torch.arange(start, stop), kv_cache=ours)
+            want = model(input_ids=ids, positions=torch.arange(start, stop), kv_cache=theirs)
+            torch.testing.assert_close(got, want)
+    torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_call_after_a_pre_hook_was_added_runs_the_model_as_the_caller_called_it(frontend):
+    """The model's own forward serves it, called with the caller's positional arguments: the hook sees them."""
+    model, runner = build(frontend)
+    ours, theirs = model.make_kv_cache(), model.make_kv_cache()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ids = torch.arange(9) + 40
+        runner(ids[:5], torch.arange(5), ours)
+        model(ids[:5], torch.arange(5), theirs)
+        model.register_forward_pre_hook(scale_input_embeddings)
+        got = runner(ids[5:8], torch.arange(5, 8), ours)
+        want = model(ids[5:8], torch.arange(5, 8), theirs)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(ours, theirs)
+    assert runner.stats["eager_calls"] == 1

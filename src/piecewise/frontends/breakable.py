@@ -93,7 +93,16 @@ class BreakableFrontend:
 
     def prepare(self, rehearse: Callable[[int], Any], tokens: int) -> None:
         """Survey the forward unpadded at the first call's token count and at one less (two, for one token); the
-        first run also notes the module attributes it reads (``AttributeReads``)."""
+        first run also notes the module attributes it reads (``AttributeReads``). Hooks around the compiled module
+        that its compiled regions would leave out are refused first."""
+        from ..runtime.hooks import top_level_hooks  # runtime imports the front-ends
+
+        hooks = top_level_hooks(self.model) if self.regions is not None else []
+        if hooks:
+            raise ForwardRefused(
+                f"piecewise: the compiled module has Python hooks around its call ({'; '.join(hooks[:3])}), which "
+                f"the regions Inductor compiles (of its forward) would leave out. Register them on a submodule, "
+                f"apply them to the runner's output, or use CaptureConfig(compiler='eager').", "module_hook")
         survey = Survey()
         for index, count in enumerate((tokens, tokens - 1) if tokens > 1 else (1, 2)):
             self.surveying = {}
@@ -114,7 +123,7 @@ class BreakableFrontend:
         if call.phase is Phase.REPLAY:
             recording = self.recordings.get(call.size)
             if recording is not None:
-                if self.reads.assigned:
+                if self.reads.assigned or self.reads.fields_changed():
                     self.reads.check()
                 output = recording.replay(state)
                 state.replays += recording.graphs
@@ -196,8 +205,8 @@ class BreakableFrontend:
     def check_state(self, arguments: dict[str, Any], full: bool) -> None:
         """Raise ``ValueError`` (``AttributeReads.check``) when an attribute the forward reads was assigned since the
         first call: graphs (full or piecewise) and padded runs would use what it held."""
-        if self.reads.assigned and (full or not self.state.graphs_enabled):  # piecewise replays check in ``run``
-            self.reads.check()
+        if (self.reads.assigned or self.reads.fields_changed()) and (full or not self.state.graphs_enabled):
+            self.reads.check()  # (piecewise replays check in ``run``)
 
     def release(self) -> None:
         self.recordings.clear()

@@ -39,6 +39,36 @@ def _reading_class(cls: type) -> type:
     return reader
 
 
+_FIELDS: dict[type, type] = {}
+
+
+def _field_class(cls: type) -> type:
+    """A subclass of a settings object's class (a model's ``config``) noting the plain fields read."""
+    reader = _FIELDS.get(cls)
+    if reader is None:
+        def __getattribute__(self, name):
+            value = cls.__getattribute__(self, name)
+            if type(value) in _PLAIN and _RECORDING and name in object.__getattribute__(self, "__dict__"):
+                key = (id(self), name)
+                if key not in _RECORDING[-1]:
+                    _RECORDING[-1][key] = (self, value, innermost_user_line())
+            return value
+
+        reader = _FIELDS[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                                             "__module__": cls.__module__,
+                                                             "__qualname__": cls.__qualname__})
+    return reader
+
+
+def _settings(module: torch.nn.Module) -> list[Any]:
+    """Plain Python objects a module holds as attributes (its ``config``, an options object): their fields are
+    settings the forward may read."""
+    return [value for name, value in vars(module).items() if not name.startswith("_")
+            and hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+            and not callable(value) and type(value).__module__ not in ("builtins", "torch")
+            and not hasattr(type(value), "__slots__")]
+
+
 _RECORDING: list[dict] = []
 _PLAIN = (bool, int, float, str, type(None))
 """Values a class attribute may hold that an instance's assignment overrides as a flag or a setting."""
@@ -56,6 +86,13 @@ class AttributeReads:
         """Attributes the forward assigns itself (a counter, a kept value): its own state, which
         ``warn_changed_state`` names; an eager call of the model assigning them is not a change of setting."""
         self.recording = False
+        self.fields: list[tuple[Any, dict, str, Any]] = []
+        """(settings object, its instance dict, field, value read) of each plain field of a module's settings object (its instance
+        dict) the run read (a ``config.window``): no assignment hook sees those, so every replayed call compares
+        them."""
+
+    def fields_changed(self) -> bool:
+        return any(not _same(fields.get(name, _MISSING), value) for _, fields, name, value in self.fields)
 
     def record(self, run: Callable[[], Any]) -> Any:
         """Run ``run()`` noting the reads, then start watching those attributes."""
@@ -73,12 +110,22 @@ class AttributeReads:
                 except TypeError:
                     continue
                 swapped.append((module, cls))
+            for holder in {id(h): h for module in self.model.modules() for h in _settings(module)}.values():
+                try:
+                    cls = type(holder)
+                    holder.__class__ = _field_class(cls)
+                except TypeError:
+                    continue
+                swapped.append((holder, cls))
             return run()
         finally:
             self.recording = False
             for module, cls in swapped:
                 module.__class__ = cls
             self.reads = _RECORDING.pop()
+            self.fields = [(holder, object.__getattribute__(holder, "__dict__"), name, value)
+                           for (_, name), (holder, value, _) in self.reads.items()
+                           if not isinstance(holder, torch.nn.Module)]
             self.assigned.clear()
             _compat.on_module_assignment(self._assigned)
 
@@ -97,6 +144,18 @@ class AttributeReads:
 
     def check(self) -> None:
         """Raise ``ValueError`` when an attribute the forward reads was assigned since it was recorded."""
+        changed = next(((holder, name) for holder, fields, name, value in self.fields
+                        if not _same(fields.get(name, _MISSING), value)), None)
+        if changed is not None:
+            holder, name = changed
+            _, _, where = self.reads[(id(holder), name)]
+            path = next((f"{n + '.' if n else ''}{attribute}" for n, m in self.model.named_modules()
+                         for attribute, value in vars(m).items() if value is holder), type(holder).__name__)
+            raise ValueError(
+                f"piecewise: `{path}.{name}` changed after the first call, and the forward reads it at "
+                f"{line_text(where)}. A replayed call runs no Python, so its graphs would go on using what it held at "
+                f"capture. Pass the value to forward as an argument, read it inside a splitting op, or compile "
+                f"again.")
         module, name = self.assigned[0]
         _, _, where = self.reads[(id(module), name)]
         path = next((n for n, m in self.model.named_modules() if m is module), "")
@@ -106,3 +165,9 @@ class AttributeReads:
             f"attribute held at capture. Pass the value to forward as an argument (a tensor is read in place, any "
             f"other value is checked on every call), read it inside a splitting op, or compile again.")
 
+
+_MISSING = object()
+
+
+def _same(now: Any, then: Any) -> bool:
+    return now is then or (type(now) in _PLAIN and type(now) is type(then) and now == then)

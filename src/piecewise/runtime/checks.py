@@ -22,7 +22,6 @@ from ..capture.outputs import output_tensors, unmapped_leaves
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused, first_line
-from ..frontends.user_frames import caller_stacklevel
 from ..stored import values
 from .arguments import nested_rows, other_token_dims
 from .core import Core
@@ -100,8 +99,6 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
             logger.info("piecewise: the forward gives other results on a repeat of the same padded run; the padding "
                         "check at %d tokens is left out", size)
         first.restore()
-    if not core.frontend.runs_every_size:  # breakable: after its captures, which tell a branch on the count
-        check_count(core, arguments)
 
 
 def _padded_run(core: Core, arguments: dict[str, Any], given: list[str], rows: int, size: int, copies: bool) -> Any:
@@ -169,87 +166,11 @@ def _difference(got: Any, want: Any) -> tuple[float, float]:
     return (rel_error(got, want) if isinstance(got, torch.Tensor) else 1.0), allowed
 
 
-def check_count(core: Core, arguments: dict[str, Any]) -> None:
-    """The first call's leading rows, as many as a padded call can have (the most below its count that are not a
-    capture size), run as they are and padded to the next capture size must give the same real rows: a forward
-    that takes the token count for a value (``x / x.shape[0]``, ``arange(T)`` counted from the end, a mask of the
-    last row, an expert capacity from the count, the count returned or kept) would see the padded count on every
-    padded call. Where every count up to the call's is a capture size (a one-token first call), its rows padded to
-    the two smallest sizes above them are compared instead. Not asked of a forward that draws random numbers
-    (their layout follows the size)."""
-    sizes = [size for size in core.ladder.sizes if size >= 2]
-    if not sizes:
-        return
-    given = core.arguments.given_tokens(arguments)
-    tokens = arguments[given[0]].shape[0]
-    rows = reference = next((n for n in range(min(tokens, sizes[-1] - 1), 0, -1) if n not in core.ladder.sizes), None)
-    if rows is None:  # no count up to the call's is padded: its rows padded twice (a branch the ladder bounds stays)
-        rows, reference = min(tokens, sizes[0] - 1), sizes[0]
-    size = next((size for size in sizes if size > reference), None)  # the padding a call of ``rows`` tokens gets
-    if size is None:
-        return
-    first = RandomState()
-    saved = snapshot(core, arguments)  # the state the runs write (rows at an offset from the end, a count kept)
-
-    def run(size: int) -> tuple[list[Any], list[torch.Tensor]]:
-        restore(saved)
-        output = _compared(_padded_run(core, arguments, given, rows, size, copies=False))
-        return output, [tensor.clone() for tensor, _, _ in saved or ()]
-
-    want, want_state = run(reference)  # unpadded (what eager computes), or padded to the smallest size
-    draws = not first.same(RandomState())
-    first.restore()
-    if draws:
-        warnings.warn(
-            "piecewise: the forward draws random numbers. A padded call draws them for its padded rows, so each "
-            "call's rows are as random as eager's, but the generator moves on by the padded count: after "
-            "torch.manual_seed, a sequence of calls samples other numbers than the same calls run eagerly. Sample "
-            "outside forward, or from a generator passed to each call, where runs must repeat eager's.",
-            stacklevel=caller_stacklevel())
-        return
-    got, got_state = run(size)
-    first.restore()
-    index = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same([a], [b])), None)
-    state = next((i for i, (a, b) in enumerate(zip(got_state, want_state))  # floating state only: a quantised
-                  if values(a, saved[i][0]).is_floating_point()  # cache's codes flip with float32's last bit
-                  and not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
-    if index is None and state is None:
-        return
-    again, again_state = run(reference)  # the first run repeated
-    first.restore()
-    if not (_same(again, want) and _same(again_state, want_state)):
-        logger.info("piecewise: the forward gives other results on a repeat of the same run; the check of the token "
-                    "count is left out")
-        return
-    if index is None:
-        got, want, index = [values(t, saved[state][0]) for t in got_state], [
-            values(t, saved[state][0]) for t in want_state], state
-        what = f"what it writes into {saved[state][2]}"
-        causes = "rows written at an offset from the end (mem[-T:] = x), the count kept (buf.fill_(x.shape[0]))"
-    else:
-        what = f"output {index} ({_what(want[index])})"
-        causes = "a division by x.shape[0], arange(T) counted from the end or compared with the count (a mask of " \
-                 "the last row), a capacity computed from the count, the count returned or kept, rows read at an " \
-                 "offset from the end (x.roll(k, 0), x[-k])"
-    raise ForwardRefused(
-        f"piecewise: the forward takes the token count for a value: with {rows} real token(s), {what} differs by "
-        f"{_difference(got[index], want[index])[0]:.1e} (relative) between "
-        f"{'the call run as it is' if reference == rows else f'padding to {reference} tokens'} and padding to "
-        f"{size} tokens. Every call is padded to a capture size, so such code sees the padded count: {causes}. "
-        f"Give the count or the positions as a tensor argument, or make that code a splitting op "
-        f"(piecewise.opaque_op(..., split=True)), which sees the real count and rows.",
-        "token_mixing", [])
-
-
 def _compared(output: Any) -> list[Any]:
     """An output's tensors and its Python numbers, in order."""
     numbers = [value for _, value in unmapped_leaves(output) if isinstance(value, (int, float)) and
                not isinstance(value, bool)]
     return [*output_tensors(output), *numbers]
-
-
-def _what(value: Any) -> str:
-    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"the number {value!r}"
 
 
 def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: int, arguments: dict[str, Any],

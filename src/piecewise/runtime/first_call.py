@@ -23,11 +23,12 @@ from ..frontends.dynamo_trace import DynamoBlocked
 from ..opaque import check_fakes, opaque_call_counts, resolve_splitting_ops
 from .bounds import drop_sizes_out_of_range
 from .capture_sizes import capture_all, out_of_memory
-from .checks import (ModuleState, RandomState, check_count, check_one_token, check_padding, refuse_if_rows_refused,
+from .checks import (ModuleState, RandomState, check_one_token, check_padding, refuse_if_rows_refused,
                      warn_changed_state)
 from .core import Core
+from .count_check import check_count
 from .full_graphs import check_full_padding
-from .hooks import warn_of_forward_hooks
+from .hooks import refuse_positional_pre_hooks, warn_of_forward_hooks
 from .outputs import refuse_made_tensors_in_objects, warn_of_kept_tensors
 from .verify import verify
 
@@ -128,6 +129,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
                                       for _, t in walk_tensors(value) if t is not None)
     started = time.perf_counter()
     tokens = core.arguments.rows(arguments)
+    refuse_positional_pre_hooks(core.model)
     counts = opaque_call_counts()
     with forward_context(tokens, tokens, rehearsal=True):
         output = core.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
@@ -161,6 +163,8 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
             core.frontend.prepare(lambda count: _rehearse(core, arguments, count), tokens)
             clock.lap("front-end")
             check_padding(core, arguments)  # the Dynamo front-end traces here
+            if not core.frontend.runs_every_size:  # breakable: after its captures, which tell a branch on the count
+                check_count(core, arguments)
             changed = module_state.changed()
             clock.lap("padding check")
             check_one_token(core, arguments)

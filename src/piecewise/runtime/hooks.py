@@ -20,6 +20,7 @@ import torch
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import ForwardRefused
 from ..frontends.user_frames import caller_stacklevel
 from .layout import inner
 
@@ -107,3 +108,20 @@ def top_level_hooks(model: torch.nn.Module) -> list[str]:
               ("every module", module_hooks._global_forward_pre_hooks),
               ("every module", module_hooks._global_forward_hooks)]
     return [f"{where}: {_name(hook)}" for where, table in tables for hook in table.values() if not _quiet(hook)]
+
+
+def refuse_positional_pre_hooks(model: torch.nn.Module) -> None:
+    """Pre-hooks around the user's module's call that take its positional arguments (not ``with_kwargs``), and
+    the global ones, are refused before the first call runs anything: piecewise calls the forward with keyword
+    arguments, so they would see none (and change nothing, or fail)."""
+    model = inner(model)
+    hooks = [f"the model: {_name(hook)}" for key, hook in model._forward_pre_hooks.items()
+             if not model._forward_pre_hooks_with_kwargs.get(key) and not _quiet(hook)]
+    hooks += [f"every module: {_name(hook)}" for hook in module_hooks._global_forward_pre_hooks.values()
+              if not _quiet(hook)]
+    if hooks:
+        raise ForwardRefused(
+            f"piecewise: the compiled module has forward pre-hooks that take its positional arguments "
+            f"({'; '.join(hooks[:3])}); piecewise calls the forward with keyword arguments, so they would see none. "
+            f"Register them with register_forward_pre_hook(..., with_kwargs=True) reading the keywords, or on a "
+            f"submodule.", "module_hook")

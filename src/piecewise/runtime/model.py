@@ -24,6 +24,7 @@ from ..errors import (BlockerKind, CaptureBlockedError, CaptureFailed, CaptureOu
 from ..opaque import resolve_splitting_ops
 from . import first_call, search
 from .core import Core
+from .layout import inner
 from .verify import VerifyReport, verify
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class PiecewiseModel(Core):
                 self.state.stable_ptrs.add(tensor.data_ptr())
                 self.state.static_storages.add(tensor.untyped_storage().data_ptr())
         self.arguments.check_static(arguments)
-        self.last_arguments = arguments
+        self.last_arguments, self.given = arguments, (args, kwargs)
         # Inference semantics for everything piecewise runs, whatever the caller's grad mode: no autograd graph,
         # and piecewise's buffers are inference tensors that every later call may write. The outputs are copied
         # outside, so that the caller gets ordinary tensors; a call the graphs cannot serve runs the model's own
@@ -74,7 +75,7 @@ class PiecewiseModel(Core):
                 if difference is not None:
                     self.guard.warn_once(difference)
                     self.stats.eager_calls += 1
-                    output = self.model(**arguments)
+                    output = self._own_forward()
             if difference is not None:
                 return self.finish(output, tokens, tokens, clone=True)
             return self._serve(arguments, tokens)
@@ -101,9 +102,14 @@ class PiecewiseModel(Core):
             except StateChanged as change:  # before anything ran: the model's own forward serves this call
                 self.guard.warn_once(str(change))
                 self.stats.eager_calls += 1
-                output, size = self.model(**arguments), tokens
+                output, size = self._own_forward(), tokens
                 return self.finish(output, tokens, size, clone=True)
         return self.finish(output, tokens, size)
+
+    def _own_forward(self) -> Any:
+        """The model called as the caller called the runner (its hooks see the same positional arguments)."""
+        args, kwargs = self.given
+        return inner(self.model)(*args, **kwargs)
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
         try:
