@@ -18,45 +18,28 @@ from .. import _compat
 from ..capture.segment import in_runner_call
 from .user_frames import innermost_user_line, line_text
 
-_READING: dict[type, type] = {}
+_READERS: dict[tuple[type, bool], type] = {}
 
 
-def _reading_class(cls: type) -> type:
-    reader = _READING.get(cls)
+def _reading_class(cls: type, settings: bool = False) -> type:
+    """A subclass of ``cls`` noting the reads of its instances' plain attributes while ``_RECORDING``: a module's
+    (its own and its class's defaults, ``flag = False``), or a settings object's fields (``settings``, a model's
+    ``config``: its instance dict only; its class may have its own ``__getattribute__``)."""
+    reader = _READERS.get((cls, settings))
     if reader is None:
         def __getattribute__(self, name):
-            value = object.__getattribute__(self, name)
-            if name not in _compat.MODULE_BOOKKEEPING and (name in object.__getattribute__(self, "__dict__") or (
-                    type(value) in _PLAIN and not name.startswith("__"))):  # a class's default (``flag = False``)
+            value = cls.__getattribute__(self, name) if settings else object.__getattribute__(self, name)
+            own = name in object.__getattribute__(self, "__dict__")
+            if (type(value) in _PLAIN and own and bool(_RECORDING)) if settings else (
+                    name not in _compat.MODULE_BOOKKEEPING and (own or (type(value) in _PLAIN
+                                                                      and not name.startswith("__")))):
                 key = (id(self), name)
                 if key not in _RECORDING[-1]:
                     _RECORDING[-1][key] = (self, value, innermost_user_line())
             return value
 
-        reader = _READING[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                                              "__module__": cls.__module__,
-                                                              "__qualname__": cls.__qualname__})
-    return reader
-
-
-_FIELDS: dict[type, type] = {}
-
-
-def _field_class(cls: type) -> type:
-    """A subclass of a settings object's class (a model's ``config``) noting the plain fields read."""
-    reader = _FIELDS.get(cls)
-    if reader is None:
-        def __getattribute__(self, name):
-            value = cls.__getattribute__(self, name)
-            if type(value) in _PLAIN and _RECORDING and name in object.__getattribute__(self, "__dict__"):
-                key = (id(self), name)
-                if key not in _RECORDING[-1]:
-                    _RECORDING[-1][key] = (self, value, innermost_user_line())
-            return value
-
-        reader = _FIELDS[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                                             "__module__": cls.__module__,
-                                                             "__qualname__": cls.__qualname__})
+        reader = _READERS[(cls, settings)] = type(cls.__name__, (cls,), {
+            "__getattribute__": __getattribute__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return reader
 
 
@@ -113,7 +96,7 @@ class AttributeReads:
             for holder in {id(h): h for module in self.model.modules() for h in _settings(module)}.values():
                 try:
                     cls = type(holder)
-                    holder.__class__ = _field_class(cls)
+                    holder.__class__ = _reading_class(cls, settings=True)
                 except TypeError:
                     continue
                 swapped.append((holder, cls))
