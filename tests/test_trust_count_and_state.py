@@ -208,6 +208,31 @@ def test_a_settings_field_changed_after_the_first_call_is_refused_by_breakable_a
             torch.testing.assert_close(cache, reference)
 
 
+class GrowsRotary(TinyLlama):
+    """Takes the sequence length as a Python int, HF's older rotary style: a new value at every call."""
+
+    def forward(self, input_ids, positions, kv_cache, seq_len):
+        return super().forward(input_ids, positions, kv_cache) * (1.0 + 0.0 * seq_len)
+
+
+def test_a_python_number_argument_that_changes_every_call_warns_once():
+    torch.manual_seed(0)
+    model = GrowsRotary(CONFIG).eval()
+    runner = piecewise.compile(model, _config("breakable"))
+    cache, reference = model.make_kv_cache(), model.make_kv_cache()
+    ids, start = torch.randint(0, 64, (64,)), 0
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for tokens in [5, 1, 1, 2]:
+            positions = torch.arange(start, start + tokens)
+            out = runner(ids[start:start + tokens], positions, cache, start + tokens)
+            torch.testing.assert_close(out, model(ids[start:start + tokens], positions, reference, start + tokens))
+            start += tokens
+    messages = [str(w.message) for w in caught if "piecewise" in str(w.message)]
+    assert len(messages) == 1 and "argument 'seq_len' is 6 and was 5" in messages[0], messages
+    assert runner.stats["eager_calls"] == 3
+
+
 class KeepsHidden(TinyLlama):
     def forward(self, input_ids, positions, kv_cache):
         logits = super().forward(input_ids, positions, kv_cache)

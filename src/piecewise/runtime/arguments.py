@@ -255,7 +255,8 @@ class Arguments:
                 raise ValueError(
                     f"piecewise: static argument {name!r} is not the tensor seen at capture ({self._moved(name, value)}). "
                     f"Captured graphs read static arguments in place: write new contents into the same tensor "
-                    f"({name}.copy_(new)), mark it as a token argument with dynamic={{...}}, or compile again"
+                    f"({name}.copy_(new)), mark it as a token argument with dynamic={{...}} where it has one row "
+                    f"per token, or compile again"
                     + self._batch_first_hint(name)
                 )
 

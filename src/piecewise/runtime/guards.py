@@ -18,6 +18,8 @@ per distinct difference naming it. Parameters replaced or moved are ``ParameterW
 
 from __future__ import annotations
 
+import re
+
 import warnings
 from typing import Any
 
@@ -116,9 +118,10 @@ class CallGuard:
                f"dimension is {token_dim}, the only one the graphs serve other sizes of" + hint
 
     def warn_once(self, difference: str) -> None:
-        if difference in self.warned:
+        kind = re.sub(r"\d+", "#", difference)  # a number that changes every call (a length) warns once
+        if kind in self.warned:
             return
-        self.warned.add(difference)
+        self.warned.add(kind)
         warnings.warn(
             f"piecewise: {difference}. The graphs were captured for the first call's, so such calls run the model's "
             f"own forward, without CUDA graphs (the same numbers as eager, slower). Call it as at the first call, or "
