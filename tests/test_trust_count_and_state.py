@@ -1,6 +1,7 @@
 """Forwards that read the token count as a value, model state changed after the first call, tensors kept in module
 attributes: refused, served by the model's own forward, or named in a warning; never silently wrong."""
 
+import dataclasses
 import re
 import warnings
 
@@ -17,6 +18,14 @@ CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, n
 
 def _config(frontend: str, **extra) -> piecewise.CaptureConfig:
     return piecewise.CaptureConfig(max_tokens=16, frontend=frontend, compiler="eager", cache_dir=None, **extra)
+
+
+def _breakable(model_class):
+    """A model of ``model_class``, its breakable runner, a cache for each and 64 token ids."""
+    torch.manual_seed(0)
+    model = model_class(CONFIG).eval()
+    return (model, piecewise.compile(model, _config("breakable")), model.make_kv_cache(), model.make_kv_cache(),
+            torch.randint(0, 64, (64,)))
 
 
 class LastRowMask(TinyLlama):
@@ -56,7 +65,7 @@ def test_a_mask_of_the_last_row_made_from_the_count_is_refused(frontend, graph_m
     model = LastRowMask(CONFIG).eval()
     runner = piecewise.compile(model, _config(frontend, graph_mode=graph_mode))
     cache = model.make_kv_cache()
-    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"takes the token count or the padding for a value.*between the call "
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"takes the token count for a value.*between the call "
                                                                r"run as it is and padding to \d+ tokens") as refused:
         runner(torch.randint(0, 64, (9,)), torch.arange(9), cache)
     assert refused.value.kind == "token_mixing"
@@ -71,7 +80,7 @@ def test_an_expert_capacity_computed_from_the_count_is_refused(frontend):
     with torch.no_grad():
         eager = model(x)
         assert (eager.abs().sum(-1) == 0).any(), "no token was dropped at 9 tokens: nothing to test"
-        with pytest.raises(ForwardRefused, match="takes the token count or the padding for a value"):
+        with pytest.raises(ForwardRefused, match="takes the token count for a value"):
             runner(x)
 
 
@@ -168,6 +177,48 @@ def test_a_python_length_in_a_metadata_object_that_changes_every_step_is_named_a
     assert "must reach the forward as a tensor, or be read only inside a splitting op" in messages[0]
 
 
+class StartsAtZero(TinyLlama):
+    """Reduces over the positions (a chunk's start; "is this a prefill"): a first call from position 0 holds what a
+    zero pad row holds, so only rows without the first show that the padding changes it."""
+
+    kind = "min"
+
+    def forward(self, input_ids, positions, kv_cache):
+        logits = super().forward(input_ids, positions, kv_cache)
+        if self.kind == "min":
+            return logits + positions.min()
+        return logits * (1.0 + (positions == 0).any())
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+@pytest.mark.parametrize("kind,tokens", [("min", 5), ("min", 2), ("any", 3)])
+def test_a_reduction_over_the_positions_is_refused_though_the_first_call_starts_at_zero(frontend, kind, tokens):
+    torch.manual_seed(0)
+    model = StartsAtZero(CONFIG).eval()
+    model.kind = kind
+    runner = piecewise.compile(model, _config(frontend))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match="mixes tokens") as refused:
+        runner(torch.randint(0, 64, (tokens,)), torch.arange(tokens), model.make_kv_cache())
+    assert refused.value.kind == "token_mixing"
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenSettings:
+    scale: float = 2.0
+
+
+def test_a_frozen_settings_object_is_watched_without_being_assigned_to():
+    torch.manual_seed(0)
+    model = ReadsSetting(CONFIG, FrozenSettings()).eval()
+    runner = piecewise.compile(model, _config("breakable"))
+    cache, reference = model.make_kv_cache(), model.make_kv_cache()
+    with torch.no_grad():
+        for start, stop in ((0, 5), (5, 8)):
+            out = runner(torch.arange(start, stop), torch.arange(start, stop), cache)
+            torch.testing.assert_close(out, model(torch.arange(start, stop), torch.arange(start, stop), reference))
+    assert type(model.settings) is FrozenSettings
+
+
 class Settings:
     """A model's settings object, as transformers' ``config``: fields the forward reads."""
 
@@ -176,9 +227,9 @@ class Settings:
 
 
 class ReadsSetting(TinyLlama):
-    def __init__(self, config):
+    def __init__(self, config, settings=None):
         super().__init__(config)
-        self.settings = Settings()
+        self.settings = settings or Settings()
 
     def forward(self, input_ids, positions, kv_cache):
         return super().forward(input_ids, positions, kv_cache) * self.settings.scale
@@ -216,11 +267,8 @@ class GrowsRotary(TinyLlama):
 
 
 def test_a_python_number_argument_that_changes_every_call_warns_once():
-    torch.manual_seed(0)
-    model = GrowsRotary(CONFIG).eval()
-    runner = piecewise.compile(model, _config("breakable"))
-    cache, reference = model.make_kv_cache(), model.make_kv_cache()
-    ids, start = torch.randint(0, 64, (64,)), 0
+    model, runner, cache, reference, ids = _breakable(GrowsRotary)
+    start = 0
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for tokens in [5, 1, 1, 2]:
@@ -247,3 +295,40 @@ def test_a_tensor_kept_in_a_module_attribute_is_named_in_a_warning_under_dynamo(
     with torch.no_grad(), pytest.warns(UserWarning, match=r"keeps a tensor it makes in `self.last_logits`.*padding "
                                                           r"rows.*Return it from forward"):
         runner(torch.randint(0, 64, (5,)), torch.arange(5), model.make_kv_cache())
+
+
+class StepMeta:
+    """Engine-side per-step metadata the model holds, read only inside a splitting op (which runs on every call)."""
+
+    def __init__(self):
+        self.temperature = 1.0
+
+
+STEP = StepMeta()
+
+
+@piecewise.opaque_op("test_trust_count_and_state::scale_rows", split=True)
+def scale_rows(x: torch.Tensor) -> torch.Tensor:
+    return x / STEP.temperature
+
+
+class ScalesInAnOp(TinyLlama):
+    def __init__(self, config):
+        super().__init__(config)
+        self.meta = STEP
+
+    def forward(self, input_ids, positions, kv_cache):
+        return torch.ops.test_trust_count_and_state.scale_rows(super().forward(input_ids, positions, kv_cache))
+
+
+def test_a_settings_field_read_only_inside_a_splitting_op_may_change_between_calls():
+    model, runner, cache, reference, ids = _breakable(ScalesInAnOp)
+    start = 0
+    with torch.no_grad():
+        for tokens, temperature in [(5, 1.0), (3, 2.0), (2, 0.5)]:
+            STEP.temperature = temperature
+            out = runner(ids[start:start + tokens], torch.arange(start, start + tokens), cache)
+            want = model(ids[start:start + tokens], torch.arange(start, start + tokens), reference)
+            torch.testing.assert_close(out, want)
+            start += tokens
+    STEP.temperature = 1.0

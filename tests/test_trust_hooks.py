@@ -250,3 +250,12 @@ def test_a_call_after_a_pre_hook_was_added_runs_the_model_as_the_caller_called_i
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(ours, theirs)
     assert runner.stats["eager_calls"] == 1
+
+
+def test_a_global_pre_hook_of_torchs_module_tracker_is_not_refused():
+    from torch.utils.module_tracker import ModuleTracker
+
+    model, runner = build("breakable")
+    with torch.no_grad(), ModuleTracker():
+        out = runner(torch.arange(5), torch.arange(5), model.make_kv_cache())
+    torch.testing.assert_close(out, model(torch.arange(5), torch.arange(5), model.make_kv_cache()))

@@ -161,7 +161,7 @@ def test_the_token_count_taken_for_a_value_is_refused(frontend, kind):
     padded."""
     runner = piecewise.compile(CountAsValue(kind).eval(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
                                                                                   cache_dir=None))
-    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"takes the token count or the padding for a value.*between the call "
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"takes the token count for a value.*between the call "
                                                               r"run as it is and padding to \d+ tokens") as info:
         runner(torch.randn(5, 8))
     assert info.value.kind == "token_mixing"

@@ -10,6 +10,7 @@ import torch
 
 from .. import _compat
 from ..errors import ForwardRefused
+from ..graph.split import eager_higher_order
 from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dims
 from ..opaque import op_name, opaque_op_info
 from .splitcall import Roles, SplitCall
@@ -90,7 +91,7 @@ class SplitOpRunner:
         self.call = self._direct_call(module) or module.forward
         call = self.call
         roles = Roles() if by_shape else traced_roles(module, cut, sizes)
-        host = any(isinstance(node.target, torch._ops.HigherOrderOperator) for node in module.graph.nodes)
+        host = bool(eager_higher_order(module))
         self.split = SplitCall(op, lambda args: call(*args), roles, state, probed=not cut, cut=cut, host=host,
                                by_shape=by_shape)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -84,9 +85,19 @@ class BreakableFrontend:
         """The model's forward: as written, or through its compiled regions."""
         # Patched attribute reads would break Dynamo's regions; under another dispatch mode (the index-bounds probe)
         # Dynamo would run them eagerly and mark their frames to be skipped from then on.
-        if self.regions is None or self.reads.recording or dispatch_mode_skips_compile():
-            return self.model(**arguments)
-        return self.regions(arguments)
+        try:
+            if self.regions is None or self.reads.recording or dispatch_mode_skips_compile():
+                return self.model(**arguments)
+            return self.regions(arguments)
+        except NotImplementedError as exc:
+            operator = re.search(r"HigherOrderOperator (\w+)", str(exc))
+            if operator is None:
+                raise
+            raise ForwardRefused(
+                f"piecewise: the forward calls the higher-order op `{operator[1]}` in a way the breakable front-end "
+                f"cannot run (a `cond` imported by name, `from torch import cond`, or an op it does not know). Call "
+                f"it as `torch.cond(...)`, which breakable runs as the Python branch it stands for, or use "
+                f"CaptureConfig(frontend='dynamo'), which runs it between the captured pieces.", "host_sync") from exc
 
     def splitting_ops(self) -> frozenset[str]:
         return self.splitting

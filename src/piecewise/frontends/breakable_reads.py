@@ -9,12 +9,13 @@ replay raise, naming the attribute and the line that reads it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .. import _compat
+from .. import _compat, opaque
 from ..capture.segment import in_runner_call
 from .user_frames import innermost_user_line, line_text
 
@@ -30,6 +31,8 @@ def _reading_class(cls: type, settings: bool = False) -> type:
         def __getattribute__(self, name):
             value = cls.__getattribute__(self, name) if settings else object.__getattribute__(self, name)
             own = name in object.__getattribute__(self, "__dict__")
+            if opaque.READS["paused"]:  # read inside a splitting op, which runs on every call
+                return value
             if (type(value) in _PLAIN and own and bool(_RECORDING)) if settings else (
                     name not in _compat.MODULE_BOOKKEEPING and (own or (type(value) in _PLAIN
                                                                       and not name.startswith("__")))):
@@ -48,8 +51,12 @@ def _settings(module: torch.nn.Module) -> list[Any]:
     settings the forward may read."""
     return [value for name, value in vars(module).items() if not name.startswith("_")
             and hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
-            and not callable(value) and type(value).__module__ not in ("builtins", "torch")
+            and not callable(value) and type(value).__module__.split(".")[0] not in _NOT_SETTINGS
             and not hasattr(type(value), "__slots__")]
+
+
+_NOT_SETTINGS = frozenset(sys.stdlib_module_names) | {"torch", "triton", "numpy"}
+"""Packages whose objects a module may hold (a logger, a lock, a generator) that are not its settings."""
 
 
 _RECORDING: list[dict] = []
@@ -94,17 +101,19 @@ class AttributeReads:
                     continue
                 swapped.append((module, cls))
             for holder in {id(h): h for module in self.model.modules() for h in _settings(module)}.values():
-                try:
+                try:  # past the class's own __setattr__ (a frozen dataclass refuses every assignment)
                     cls = type(holder)
-                    holder.__class__ = _reading_class(cls, settings=True)
-                except TypeError:
+                    object.__setattr__(holder, "__class__", _reading_class(cls, settings=True))
+                except (TypeError, AttributeError):
                     continue
                 swapped.append((holder, cls))
+            opaque.READS["recording"] = True
             return run()
         finally:
             self.recording = False
+            opaque.READS["recording"] = False
             for module, cls in swapped:
-                module.__class__ = cls
+                object.__setattr__(module, "__class__", cls)
             self.reads = _RECORDING.pop()
             self.fields = [(holder, object.__getattribute__(holder, "__dict__"), name, value)
                            for (_, name), (holder, value, _) in self.reads.items()

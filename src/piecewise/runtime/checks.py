@@ -62,30 +62,45 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
     (attention and other cross-token code in splitting ops) gives the same real rows both times; one that mixes rows
     (a sum or softmax over the tokens, ``x[-1]``) would return padding-dependent numbers on every padded call:
     refused here. The state both runs write is compared too (rows mixed into a write). Where that ran one real row,
-    two more runs pad two or more (a first row at position 0 holds what zero padding does)."""
+    two more runs pad two or more; and two more pad the rows after the first (a first row at position 0 holds what
+    zero padding does: a minimum or ``any()`` over the positions would pass)."""
     sizes = [size for size in core.ladder.sizes if size >= 2]
     if not sizes:
         return
     given = core.arguments.given_tokens(arguments)
     tokens = arguments[given[0]].shape[0]
-    plans = [(sizes[0], min(tokens, sizes[0] - 1))]
+    plans = [(sizes[0], min(tokens, sizes[0] - 1), arguments)]
     wider = next((s for s in sizes if s >= 3), None)  # two real rows or more: a first row at position 0 holds
     if wider is not None and tokens >= 2 and plans[0][1] < 2:  # what zero padding does
-        plans.append((wider, min(tokens, wider - 1)))
+        plans.append((wider, min(tokens, wider - 1), arguments))
+    if wider is not None and tokens >= 2:  # and without the first row, which hides what the padding's zeros change
+        rows = min(tokens - 1, wider - 1)  # (a minimum or any() over the positions of a prefill from position 0)
+        plans.append((wider, rows, {**arguments, **{n: arguments[n][1:rows + 1].clone() for n in given}}))
     first = RandomState()
-    for plan, (size, rows) in enumerate(plans):
+    for plan, (size, rows, made) in enumerate(plans):
         results, saved, written, copied = [], None, None, None
-        for fill in ("trace", "zeros", "copies", "again") if plan == 0 else ("zeros", "copies"):
-            if fill == "zeros":
-                drawn = RandomState()
-                saved = snapshot(core, arguments)  # the state both compared runs start from
-            elif fill == "copies":
-                drawn.restore()  # both compared runs draw the same random numbers: only the padding differs
-                written = [tensor.clone() for tensor, _, _ in saved or ()]
-                restore(saved)
-            results.append(_padded_run(core, arguments, given, rows, size, copies=fill == "copies"))
-            if fill == "copies":
-                copied = [tensor.clone() for tensor, _, _ in saved or ()]
+        try:
+            for fill in ("trace", "zeros", "copies", "again") if plan == 0 else ("zeros", "copies"):
+                if fill == "zeros":
+                    drawn = RandomState()
+                    saved = snapshot(core, arguments)  # the state both compared runs start from
+                    if made is not arguments and saved is None:
+                        raise _Skipped("its state could not be put back after")  # rows written where others belong
+                elif fill == "copies":
+                    drawn.restore()  # both compared runs draw the same random numbers: only the padding differs
+                    written = [tensor.clone() for tensor, _, _ in saved or ()]
+                    restore(saved)
+                results.append(_padded_run(core, made, given, rows, size, copies=fill == "copies"))
+                if fill == "copies":
+                    copied = [tensor.clone() for tensor, _, _ in saved or ()]
+        except Exception as exc:  # noqa: BLE001 - the rows without the first one: the forward may refuse them
+            if made is arguments:
+                raise
+            restore(saved)
+            first.restore()
+            logger.info("piecewise: the padding check without the first call's first row is left out (%s)",
+                        first_line(exc))
+            continue
         zeros, copies = results[-3 if plan == 0 else -2:][:2]
         try:
             _compare_state(core, saved, written, copied, rows, size)
@@ -93,11 +108,13 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
         except ForwardRefused:
             drawn.restore()  # the zero-padded run once more: a forward that races (an unjoined side stream) or
             restore(saved)  # is otherwise not repeatable differs from itself, which is not the padding's doing
-            again = _padded_run(core, arguments, given, rows, size, copies=False)
+            again = _padded_run(core, made, given, rows, size, copies=False)
             if _same(_compared(zeros), _compared(again)) and _same(written or [], [t for t, _, _ in saved or ()]):
                 raise
             logger.info("piecewise: the forward gives other results on a repeat of the same padded run; the padding "
                         "check at %d tokens is left out", size)
+        if made is not arguments:
+            restore(saved)  # its rows were written where the call's first rows belong (a slot per row)
         first.restore()
 
 
@@ -112,6 +129,10 @@ def _padded_run(core: Core, arguments: dict[str, Any], given: list[str], rows: i
         refuse_if_rows_refused(core, core.arguments.leading(arguments, rows), rows, size, arguments, exc)
         raise
     return core.finish(output, rows, size, clone=True)
+
+
+class _Skipped(Exception):
+    """A padding-check plan that cannot run on this model."""
 
 
 def _same(first: list, second: list) -> bool:

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from ..capture.state import Call, Phase
-from ..errors import ForwardRefused, first_line
+from ..errors import ForwardRefused
 from ..frontends.user_frames import caller_stacklevel
 from ..stored import values
 from .checks import RandomState, _compared, _difference, _padded_run, _same
@@ -24,12 +23,9 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
     capture size), run as they are and padded to the next capture size must give the same real rows: a forward
     that takes the token count for a value (``x / x.shape[0]``, ``arange(T)`` counted from the end, a mask of the
     last row, an expert capacity from the count, the count returned or kept) would see the padded count on every
-    padded call. Then its trailing rows, fewer than its count, the same way: a forward that reduces over the rows
-    (``positions.min()``, ``(positions == 0).any()``) would see the padding's zeros, which the call's first rows
-    (position 0 of a prefill) hide (skipped where the forward refuses rows without its first ones). Where every
-    count up to the call's is a capture size (a one-token first call), its rows padded to the two smallest sizes
-    above them are compared instead. Not asked of a forward that draws random numbers (their layout follows the
-    size)."""
+    padded call. Where every count up to the call's is a capture size (a one-token first call), its rows padded to
+    the two smallest sizes above them are compared instead. Not asked of a forward that draws random numbers (their
+    layout follows the size). (What the padding's zeros change, ``check_padding`` checks.)"""
     sizes = [size for size in core.ladder.sizes if size >= 2]
     if not sizes:
         return
@@ -41,44 +37,24 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
 
     rows = padded(tokens)
     if rows is None:  # no count up to the call's is padded: its rows padded twice (a branch the ladder bounds stays)
-        _check_rows(core, arguments, given, min(tokens, sizes[0] - 1), sizes[0], sizes, from_end=False)
+        _check_rows(core, arguments, given, min(tokens, sizes[0] - 1), sizes[0], sizes)
         return
-    trailing = padded(tokens - 1)
-    if _check_rows(core, arguments, given, rows, rows, sizes, from_end=False) and trailing is not None:
-        try:
-            _check_rows(core, arguments, given, trailing, trailing, sizes, from_end=True)
-        except ForwardRefused:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the forward refuses the last rows without the first ones
-            logger.info("piecewise: the forward refuses the first call's last %d rows alone (%s); the padding's "
-                        "zeros are checked on its first rows only", trailing, first_line(exc))
+    _check_rows(core, arguments, given, rows, rows, sizes)
 
 
 def _check_rows(core: Core, arguments: dict[str, Any], given: list[str], rows: int, reference: int,
-                sizes: list[int], from_end: bool) -> bool:
-    saved = snapshot(core, arguments)  # the state the runs write (rows at an offset from the end, a count kept)
-    if from_end and saved is None:
-        return True  # the last rows' writes could not be undone: where the first rows belong (a slot per row)
-    try:
-        return _compare_rows(core, arguments, given, rows, reference, sizes, from_end, saved)
-    finally:
-        restore(saved)  # the last rows' runs wrote where the call's first rows belong (a slot per row)
-
-
-def _compare_rows(core: Core, arguments: dict[str, Any], given: list[str], rows: int, reference: int,
-                  sizes: list[int], from_end: bool, saved: Any) -> bool:
-    """``rows`` of the first call (its first, or its last ``from_end``) run padded to ``reference`` (as they are
-    where it is ``rows``) and to the next capture size must agree (``check_count``). False where the forward draws
-    random numbers or does not repeat itself: no further check can tell."""
+                sizes: list[int]) -> None:
+    """The first call's first ``rows`` rows run padded to ``reference`` (as they are where it is ``rows``) and to the
+    next capture size must agree (``check_count``)."""
     size = next((size for size in sizes if size > reference), None)  # the padding a call of ``rows`` tokens gets
     if size is None:
-        return True
+        return
     first = RandomState()
+    saved = snapshot(core, arguments)  # the state the runs write (rows at an offset from the end, a count kept)
 
     def run(size: int) -> tuple[list[Any], list[torch.Tensor]]:
         restore(saved)
-        output = _trailing_run(core, arguments, given, rows, size) if from_end else \
-            _padded_run(core, arguments, given, rows, size, copies=False)
+        output = _padded_run(core, arguments, given, rows, size, copies=False)
         return _compared(output), [tensor.clone() for tensor, _, _ in saved or ()]
 
     want, want_state = run(reference)  # unpadded (what eager computes), or padded to the smallest size
@@ -91,7 +67,7 @@ def _compare_rows(core: Core, arguments: dict[str, Any], given: list[str], rows:
             "torch.manual_seed, a sequence of calls samples other numbers than the same calls run eagerly. Sample "
             "outside forward, or from a generator passed to each call, where runs must repeat eager's.",
             stacklevel=caller_stacklevel())
-        return False
+        return
     got, got_state = run(size)
     first.restore()
     index = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same([a], [b])), None)
@@ -99,13 +75,13 @@ def _compare_rows(core: Core, arguments: dict[str, Any], given: list[str], rows:
                   if values(a, saved[i][0]).is_floating_point()  # cache's codes flip with float32's last bit
                   and not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
     if index is None and state is None:
-        return True
+        return
     again, again_state = run(reference)  # the first run repeated
     first.restore()
     if not (_same(again, want) and _same(again_state, want_state)):
         logger.info("piecewise: the forward gives other results on a repeat of the same run; the check of the token "
                     "count is left out")
-        return False
+        return
     if index is None:
         got, want, index = [values(t, saved[state][0]) for t in got_state], [
             values(t, saved[state][0]) for t in want_state], state
@@ -117,23 +93,13 @@ def _compare_rows(core: Core, arguments: dict[str, Any], given: list[str], rows:
                  "the last row), a capacity computed from the count, the count returned or kept, rows read at an " \
                  "offset from the end (x.roll(k, 0), x[-k])"
     raise ForwardRefused(
-        f"piecewise: the forward takes the token count or the padding for a value: with {rows} real token(s) "
-        f"(the first call's {'last' if from_end else 'first'} {rows}), {what} differs by "
+        f"piecewise: the forward takes the token count for a value: with {rows} real token(s), {what} differs by "
         f"{_difference(got[index], want[index])[0]:.1e} (relative) between "
         f"{'the call run as it is' if reference == rows else f'padding to {reference} tokens'} and padding to "
-        f"{size} tokens. Every call is padded to a capture size, so such code sees the padded count or the padding "
-        f"rows' zeros: {causes}, a minimum, maximum or any() over the rows. "
+        f"{size} tokens. Every call is padded to a capture size, so such code sees the padded count: {causes}. "
         f"Give the count or the positions as a tensor argument, or make that code a splitting op "
         f"(piecewise.opaque_op(..., split=True)), which sees the real count and rows.",
         "token_mixing", [])
-
-
-def _trailing_run(core: Core, arguments: dict[str, Any], given: list[str], rows: int, size: int) -> Any:
-    """The first call's last ``rows`` rows padded (with zeros) to ``size``."""
-    trailing = {**arguments, **{name: arguments[name][-rows:].clone() for name in given}}  # at offset 0, as calls
-    staged = core.stager.stage(trailing, given, rows, size)
-    return core.finish(core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True), rows, size,
-                       clone=True)
 
 
 def _what(value: Any) -> str:

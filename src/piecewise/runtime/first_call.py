@@ -314,7 +314,7 @@ def _reset(core: Core) -> None:
     core.state.pool = core.state.workspace_graph = None
     core.state.retired_pools.clear()
     core.state.capture_done = False
-    core.state.cut_runs, core.state.full_exact = 0, False
+    core.state.cut_runs, core.state.full_exact, core.state.host_branch = 0, False, None
     core.state.captured_this_size.clear()
     core.ladder.sizes[:] = core.config.sizes  # a size dropped for one front-end is served again
     core.ladder.notes.clear()

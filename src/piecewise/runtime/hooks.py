@@ -111,14 +111,12 @@ def top_level_hooks(model: torch.nn.Module) -> list[str]:
 
 
 def refuse_positional_pre_hooks(model: torch.nn.Module) -> None:
-    """Pre-hooks around the user's module's call that take its positional arguments (not ``with_kwargs``), and
-    the global ones, are refused before the first call runs anything: piecewise calls the forward with keyword
-    arguments, so they would see none (and change nothing, or fail)."""
+    """Pre-hooks on the user's module that take its positional arguments (not ``with_kwargs``) are refused before
+    the first call runs anything: piecewise calls the forward with keyword arguments, so they would see none (and
+    change nothing, or fail). (Global pre-hooks, torch's module trackers among them, read no argument.)"""
     model = inner(model)
     hooks = [f"the model: {_name(hook)}" for key, hook in model._forward_pre_hooks.items()
              if not model._forward_pre_hooks_with_kwargs.get(key) and not _quiet(hook)]
-    hooks += [f"every module: {_name(hook)}" for hook in module_hooks._global_forward_pre_hooks.values()
-              if not _quiet(hook)]
     if hooks:
         raise ForwardRefused(
             f"piecewise: the compiled module has forward pre-hooks that take its positional arguments "
