@@ -183,15 +183,8 @@ def _register(
     info = OpaqueOpInfo(name=qualified, split=split, capturable=capturable)
 
     def body(*args, **kwargs):
-        info.eager_calls += 1  # a counter and a few compares: the runtime calls this between pieces on every step
-        if READS["recording"]:  # breakable's first run notes the attributes the forward reads: not the op's own
-            READS["paused"] += 1
-            try:
-                result = impl(*args, **kwargs)
-            finally:
-                READS["paused"] -= 1
-        else:
-            result = impl(*args, **kwargs)
+        info.eager_calls += 1  # a counter and two compares: the runtime calls this between pieces on every step
+        result = impl(*args, **kwargs)
         if info.fake is None and (check := fake_mismatch(qualified, op, args, kwargs, result)) is not None:
             info.fake, info.contiguous = check, check.contiguous
         return contiguous_outputs(result) if info.contiguous else result
@@ -224,11 +217,6 @@ def _register(
         if split:
             _splitting_ops.add(qualified)
     return op
-
-
-READS = {"recording": False, "paused": 0}
-"""Set while the breakable front-end notes the module attributes a forward reads (``breakable_reads``): reads inside
-an opaque op's body are the op's, which runs on every call, not the forward's."""
 
 
 def opaque_op(

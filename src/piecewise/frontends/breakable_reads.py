@@ -31,13 +31,11 @@ def _reading_class(cls: type, settings: bool = False) -> type:
         def __getattribute__(self, name):
             value = cls.__getattribute__(self, name) if settings else object.__getattribute__(self, name)
             own = name in object.__getattribute__(self, "__dict__")
-            if opaque.READS["paused"]:  # read inside a splitting op, which runs on every call
-                return value
             if (type(value) in _PLAIN and own and bool(_RECORDING)) if settings else (
                     name not in _compat.MODULE_BOOKKEEPING and (own or (type(value) in _PLAIN
                                                                       and not name.startswith("__")))):
                 key = (id(self), name)
-                if key not in _RECORDING[-1]:
+                if key not in _RECORDING[-1] and not _inside_opaque_op():
                     _RECORDING[-1][key] = (self, value, innermost_user_line())
             return value
 
@@ -57,6 +55,17 @@ def _settings(module: torch.nn.Module) -> list[Any]:
 
 _NOT_SETTINGS = frozenset(sys.stdlib_module_names) | {"torch", "triton", "numpy"}
 """Packages whose objects a module may hold (a logger, a lock, a generator) that are not its settings."""
+
+
+def _inside_opaque_op() -> bool:
+    """Whether an opaque op's body is running (a read there is the op's, which runs on every call, not the
+    forward's): a walk up the stack, at the recording run's reads only."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "body" and frame.f_code.co_filename == opaque.__file__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _RECORDING: list[dict] = []
@@ -107,11 +116,9 @@ class AttributeReads:
                 except (TypeError, AttributeError):
                     continue
                 swapped.append((holder, cls))
-            opaque.READS["recording"] = True
             return run()
         finally:
             self.recording = False
-            opaque.READS["recording"] = False
             for module, cls in swapped:
                 object.__setattr__(module, "__class__", cls)
             self.reads = _RECORDING.pop()
