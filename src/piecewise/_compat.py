@@ -119,7 +119,8 @@ def compiled_entry(code: types.CodeType) -> tuple[types.CodeType, Callable[[dict
 
 def failed_guard(check: Callable[[dict], bool], frame_locals: dict) -> str | None:
     """The first guard of a compiled entry's check (``compiled_entry``) that ``frame_locals`` fail, on one line
-    (``L['meta'].max_len == 5, model.py:12 in forward``: the guard, then where the model read it); None where this torch does not say."""
+    (``L['meta'].max_len == 5, model.py:12 in forward``: the guard, then where the model read it); None where this
+    torch does not say."""
     verbose = getattr(getattr(check, "__self__", None), "check_verbose", None)
     try:
         parts = getattr(verbose(frame_locals), "verbose_code_parts", None) if verbose else None

@@ -58,7 +58,8 @@ class SplitCall:
     """An in-place write cut out of the graphs: inside a full graph only where the call has no pad row
     (``CaptureState.full_exact``)."""
     host: bool = False
-    """A branch the host takes on a device value (``torch.cond``): never inside a full graph."""
+    """A branch the host takes on a device value (``torch.cond``): once it ran, no full graph is made
+    (``CaptureState.host_branch``, ``FullGraphs.settle``)."""
     by_shape: bool = False
     """No roles known (Dynamo after a graph break, where sizes are symbolic or not; a breakable call site its survey
     did not see): each size's token inputs are the non-static tensors as long as its padded size in dimension 0
@@ -75,8 +76,6 @@ class SplitCall:
         real-row views are made once."""
         state = self.state
         if call.full:
-            if self.host:
-                raise FullGraphRefused(f"{self.name} takes a branch on the host at every call: no graph can hold it")
             if self.cut and call.num_tokens == call.size:  # no pad row: the write is exact inside the graph
                 state.full_exact = True
                 return self.body(args)

@@ -134,8 +134,7 @@ class BreakableFrontend:
         if call.phase is Phase.REPLAY:
             recording = self.recordings.get(call.size)
             if recording is not None:
-                if self.reads.assigned or self.reads.fields_changed():
-                    self.reads.check()
+                self.reads.check()
                 output = recording.replay(state)
                 state.replays += recording.graphs
                 self.stats.replays += recording.graphs
@@ -216,8 +215,8 @@ class BreakableFrontend:
     def check_state(self, arguments: dict[str, Any], full: bool) -> None:
         """Raise ``ValueError`` (``AttributeReads.check``) when an attribute the forward reads was assigned since the
         first call: graphs (full or piecewise) and padded runs would use what it held."""
-        if (self.reads.assigned or self.reads.fields_changed()) and (full or not self.state.graphs_enabled):
-            self.reads.check()  # (piecewise replays check in ``run``)
+        if full or not self.state.graphs_enabled:  # (piecewise replays check in ``run``)
+            self.reads.check()
 
     def release(self) -> None:
         self.recordings.clear()

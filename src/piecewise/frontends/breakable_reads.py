@@ -86,12 +86,8 @@ class AttributeReads:
         ``warn_changed_state`` names; an eager call of the model assigning them is not a change of setting."""
         self.recording = False
         self.fields: list[tuple[Any, dict, str, Any]] = []
-        """(settings object, its instance dict, field, value read) of each plain field of a module's settings object (its instance
-        dict) the run read (a ``config.window``): no assignment hook sees those, so every replayed call compares
-        them."""
-
-    def fields_changed(self) -> bool:
-        return any(not _same(fields.get(name, _MISSING), value) for _, fields, name, value in self.fields)
+        """(settings object, its instance dict, field, value read) of each plain field of a module's settings object
+        the run read (a ``config.window``): no assignment hook sees those, so every replayed call compares them."""
 
     def record(self, run: Callable[[], Any]) -> Any:
         """Run ``run()`` noting the reads, then start watching those attributes."""
@@ -142,27 +138,23 @@ class AttributeReads:
         self.assigned.append((module, name))
 
     def check(self) -> None:
-        """Raise ``ValueError`` when an attribute the forward reads was assigned since it was recorded."""
+        """Raise ``ValueError`` when an attribute the forward reads was assigned since it was recorded, or a field of
+        a settings object it reads holds another value."""
         changed = next(((holder, name) for holder, fields, name, value in self.fields
                         if not _same(fields.get(name, _MISSING), value)), None)
-        if changed is not None:
-            holder, name = changed
-            _, _, where = self.reads[(id(holder), name)]
-            path = next((f"{n + '.' if n else ''}{attribute}" for n, m in self.model.named_modules()
-                         for attribute, value in vars(m).items() if value is holder), type(holder).__name__)
-            raise ValueError(
-                f"piecewise: `{path}.{name}` changed after the first call, and the forward reads it at "
-                f"{line_text(where)}. A replayed call runs no Python, so its graphs would go on using what it held at "
-                f"capture. Pass the value to forward as an argument, read it inside a splitting op, or compile "
-                f"again.")
-        module, name = self.assigned[0]
-        _, _, where = self.reads[(id(module), name)]
-        path = next((n for n, m in self.model.named_modules() if m is module), "")
+        if changed is None and not self.assigned:
+            return
+        holder, name = changed or self.assigned[0]
+        _, _, where = self.reads[(id(holder), name)]
+        path = next((n for n, m in self.model.named_modules() if m is holder), None) if changed is None else next(
+            (f"{n + '.' if n else ''}{attribute}" for n, m in self.model.named_modules()
+             for attribute, value in vars(m).items() if value is holder), type(holder).__name__)
         raise ValueError(
-            f"piecewise: `{path + '.' if path else ''}{name}` was assigned after the first call, and the forward reads "
-            f"it at {line_text(where)}. A replayed call runs no Python, so its graphs would go on using what the "
-            f"attribute held at capture. Pass the value to forward as an argument (a tensor is read in place, any "
-            f"other value is checked on every call), read it inside a splitting op, or compile again.")
+            f"piecewise: `{path + '.' if path else ''}{name}` {'was assigned' if changed is None else 'changed'} "
+            f"after the first call, and the forward reads it at {line_text(where)}. A replayed call runs no Python, "
+            f"so its graphs would go on using what it held at capture. Pass the value to forward as an argument (a "
+            f"tensor is read in place, any other value is checked on every call), read it inside a splitting op, or "
+            f"compile again.")
 
 
 _MISSING = object()

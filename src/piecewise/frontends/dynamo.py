@@ -116,12 +116,13 @@ class DynamoFrontend:
         direct = self.tracer.direct
         if not full or direct is None or direct.broken:
             return
+        frame_locals = direct.frame_locals(arguments)
         try:
-            if direct.check(direct.frame_locals(arguments)):
+            if direct.check(frame_locals):
                 return
         except Exception:  # noqa: BLE001 - a torch whose guard check wants more (DirectCall turns itself off)
             return
-        guard = _compat.failed_guard(direct.check, direct.frame_locals(arguments))
+        guard = _compat.failed_guard(direct.check, frame_locals)
         raise StateChanged("the model's state fails a guard of the first call's trace" + (
             f" (`{guard}`)" if guard else "") + ": a flag or Python value the forward reads changed since")
 

@@ -85,7 +85,7 @@ def check_padding(core: Core, arguments: dict[str, Any]) -> None:
                     drawn = RandomState()
                     saved = snapshot(core, arguments)  # the state both compared runs start from
                     if made is not arguments and saved is None:
-                        raise _Skipped("its state could not be put back after")  # rows written where others belong
+                        raise RuntimeError("its state could not be put back after")  # rows written elsewhere
                 elif fill == "copies":
                     drawn.restore()  # both compared runs draw the same random numbers: only the padding differs
                     written = [tensor.clone() for tensor, _, _ in saved or ()]
@@ -129,10 +129,6 @@ def _padded_run(core: Core, arguments: dict[str, Any], given: list[str], rows: i
         refuse_if_rows_refused(core, core.arguments.leading(arguments, rows), rows, size, arguments, exc)
         raise
     return core.finish(output, rows, size, clone=True)
-
-
-class _Skipped(Exception):
-    """A padding-check plan that cannot run on this model."""
 
 
 def _same(first: list, second: list) -> bool:
@@ -236,7 +232,7 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         f"from a call: per-token metadata (a position, a cache slot, a sequence index per token) does; per-sequence "
         f"lengths or cumulative offsets that must add up to the call's rows do not. Pass per-token arguments and "
         f"derive what a kernel needs inside a splitting op (piecewise.opaque_op(..., split=True)), which sees the "
-        f"real rows." + (other_token_dims(core.arguments, arguments, tokens) or core.arguments.lead_note()),
+        f"real rows." + other_token_dims(core.arguments, arguments, tokens),
         "token_layout",
     ) from error
 

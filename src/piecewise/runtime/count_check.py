@@ -24,28 +24,16 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
     that takes the token count for a value (``x / x.shape[0]``, ``arange(T)`` counted from the end, a mask of the
     last row, an expert capacity from the count, the count returned or kept) would see the padded count on every
     padded call. Where every count up to the call's is a capture size (a one-token first call), its rows padded to
-    the two smallest sizes above them are compared instead. Not asked of a forward that draws random numbers (their
-    layout follows the size). (What the padding's zeros change, ``check_padding`` checks.)"""
+    the two smallest sizes above them are compared instead. Not asked of a forward that draws random numbers
+    (their layout follows the size)."""
     sizes = [size for size in core.ladder.sizes if size >= 2]
     if not sizes:
         return
     given = core.arguments.given_tokens(arguments)
     tokens = arguments[given[0]].shape[0]
-
-    def padded(most: int) -> int | None:  # the most rows up to ``most`` that a padded call can have
-        return next((n for n in range(min(most, sizes[-1] - 1), 0, -1) if n not in core.ladder.sizes), None)
-
-    rows = padded(tokens)
+    rows = reference = next((n for n in range(min(tokens, sizes[-1] - 1), 0, -1) if n not in core.ladder.sizes), None)
     if rows is None:  # no count up to the call's is padded: its rows padded twice (a branch the ladder bounds stays)
-        _check_rows(core, arguments, given, min(tokens, sizes[0] - 1), sizes[0], sizes)
-        return
-    _check_rows(core, arguments, given, rows, rows, sizes)
-
-
-def _check_rows(core: Core, arguments: dict[str, Any], given: list[str], rows: int, reference: int,
-                sizes: list[int]) -> None:
-    """The first call's first ``rows`` rows run padded to ``reference`` (as they are where it is ``rows``) and to the
-    next capture size must agree (``check_count``)."""
+        rows, reference = min(tokens, sizes[0] - 1), sizes[0]
     size = next((size for size in sizes if size > reference), None)  # the padding a call of ``rows`` tokens gets
     if size is None:
         return
@@ -54,8 +42,8 @@ def _check_rows(core: Core, arguments: dict[str, Any], given: list[str], rows: i
 
     def run(size: int) -> tuple[list[Any], list[torch.Tensor]]:
         restore(saved)
-        output = _padded_run(core, arguments, given, rows, size, copies=False)
-        return _compared(output), [tensor.clone() for tensor, _, _ in saved or ()]
+        output = _compared(_padded_run(core, arguments, given, rows, size, copies=False))
+        return output, [tensor.clone() for tensor, _, _ in saved or ()]
 
     want, want_state = run(reference)  # unpadded (what eager computes), or padded to the smallest size
     draws = not first.same(RandomState())

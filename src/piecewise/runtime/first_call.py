@@ -90,7 +90,7 @@ def prepare(core: Core, arguments: dict[str, Any]) -> None:
     except ForwardRefused as exc:
         before.restore()
         note = core.arguments.lead_note()  # a refusal of the count's use may come from the wrong dimension taken
-        if exc.kind in (BlockerKind.TOKEN_BRANCH, BlockerKind.TOKEN_LAYOUT) and note and note not in str(exc):
+        if exc.kind in (BlockerKind.TOKEN_BRANCH, BlockerKind.TOKEN_LAYOUT) and note:
             exc.args = (str(exc) + note, *exc.args[1:])
         raise
     except BaseException:

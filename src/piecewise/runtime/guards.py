@@ -19,7 +19,6 @@ per distinct difference naming it. Parameters replaced or moved are ``ParameterW
 from __future__ import annotations
 
 import re
-
 import warnings
 from typing import Any
 
