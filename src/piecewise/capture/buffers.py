@@ -33,6 +33,20 @@ def storage_alias(base: torch.Tensor, rows: int) -> torch.Tensor:
     return alias
 
 
+def direct_tokens(arguments: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """``arguments`` with each of ``names`` (token arguments, tokens first) replaced by an alias made here, in the
+    caller's inference mode, with its token dimension marked dynamic. A call that does not go through the staging
+    buffers (above the largest size; the first call's unpadded rehearsals) then looks to Dynamo's guards like a
+    padded one, whether the caller's tensors were made inside ``torch.inference_mode()`` or outside, whole or
+    sliced: no second trace for a dispatch key or a view, none for a count traced static."""
+    direct = dict(arguments)
+    for name in names:
+        alias = storage_alias(arguments[name], arguments[name].shape[0])
+        _compat.mark_token_dim(alias, 0)
+        direct[name] = alias
+    return direct
+
+
 class RowBuffer:
     """A static [max_tokens, ...] buffer written by leading rows; rows past the last write read zero.
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..capture.buffers import direct_tokens
 from ..capture.outputs import walk_tensors
 from ..capture.state import Call, Phase
 from ..context import forward_context
@@ -276,7 +277,7 @@ def _rehearse(core: Core, arguments: dict[str, Any], count: int) -> Any:
         made = {**arguments, **{name: torch.cat([arguments[name], arguments[name][:count - tokens]])
                                 for name in given}}
     try:
-        return core.run_call(Call(Phase.PADDED, count, count), made, rehearsal=True)
+        return core.run_call(Call(Phase.PADDED, count, count), direct_tokens(made, given), rehearsal=True)
     except Exception as exc:
         if count < tokens:  # rows past the call's own: its first rows repeated (a batch-first call is named later)
             refuse_if_rows_refused(core, made, count, count, arguments, exc)

@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..capture.buffers import storage_alias
+from ..capture.buffers import direct_tokens
 from ..capture.segment import runner_call
 from ..capture.state import Call, Phase
 from ..config import CaptureConfig
@@ -156,13 +155,7 @@ class PiecewiseModel(Core):
         """Without padding or graphs. Token arguments go in as aliases made here, in inference mode, like the
         staged buffers of padded calls: to Dynamo's guards both kinds of call look the same, whether the caller's
         tensors were made inside ``torch.inference_mode()`` or outside."""
-        direct = dict(arguments)
-        for name in self.arguments.given_tokens(arguments):
-            value = arguments[name]
-            if not value.is_inference():
-                value = storage_alias(value, value.shape[0])
-            _compat.mark_token_dim(value, 0)
-            direct[name] = value
+        direct = direct_tokens(arguments, self.arguments.given_tokens(arguments))
         self.stats.fallback_calls += 1
         return self.run_call(Call(Phase.DIRECT, tokens, tokens), direct)
 
