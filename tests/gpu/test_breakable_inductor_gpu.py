@@ -45,7 +45,10 @@ def test_compiled_regions_replay_equal_to_eager(jit_at, attention):
                     assert runner.stats["replays"] + runner.stats["full_replays"] > replays, "no graph replayed"
     stats = runner.stats
     stats.expect(frontend="breakable", cuda_graphs=True, captured_sizes=runner.stats["capture_sizes"])
-    assert stats["compiled_regions"] >= 1 and stats["warmed_sizes"] == stats["capture_sizes"]
+    # the regions' kernels first run before the capture: a size runs padded first only where its capture failed
+    # (the largest always does: the first capture of a process)
+    assert stats["compiled_regions"] >= 1 and max(stats["capture_sizes"]) in stats["warmed_sizes"]
+    assert set(stats["warmed_sizes"]) <= set(stats["capture_sizes"])
 
 
 def test_transformers_llama_decode_and_prefill_with_compiled_regions_and_full_graphs():

@@ -79,7 +79,10 @@ class BreakableFrontend:
             self.interceptor = CompiledInterceptor
             self.regions = Regions(parts.model, parts.config.compiler, self.splitting, parts.ladder, parts.stats,
                                    self.static, self.stager)
-            self.warms_every_size = True  # Inductor's kernels compile and tune on their first run, not under capture
+            # Inductor's kernels compile and tune on their first run, which cannot be captured. The regions are
+            # traced once for every count (the token count symbolic) and first run before the capture, at the
+            # rehearsals and the padding check; a size that meets a region traced for it alone (one token) fails its
+            # capture, runs padded and is captured again (``capture_sizes._capture_size``).
 
     def call_forward(self, arguments: dict[str, Any]) -> Any:
         """The model's forward: as written, or through its compiled regions."""
