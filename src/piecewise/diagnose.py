@@ -244,9 +244,13 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
         if outcome is not None:  # what compile(model) then does
             taken, reason, refused = outcome
             auto = (taken, reason)
-            # one blocker per problem: the trace's, where it named the line or the kind
+            # one blocker per problem: the trace's, where it named the line or the kind. A refusal that names no
+            # line (the padding check of a front-end that cannot say where rows mixed) joins only when the trace
+            # named nothing: otherwise it is most likely what the named lines do (a branch over every row sees the
+            # padding), and it stays listed with that front-end's blockers.
             kinds, lines = {b.kind for b in blockers}, {str(b.location) for b in blockers}
-            blockers.extend(b for b in refused if b.kind not in kinds and str(b.location) not in lines)
+            blockers.extend(b for b in refused if b.kind not in kinds and str(b.location) not in lines
+                            and (b.location is not None or not lines))
             if taken == "breakable":
                 breakable = []
             elif blockers and seen_breakable:
