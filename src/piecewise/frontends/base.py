@@ -36,9 +36,6 @@ class Frontend(Protocol):
     """What the runtime asks of a front-end."""
 
     name: str
-    warms_every_size: bool
-    """Whether each capture size needs a padded run before its capture (a traced graph compiles and tunes per size
-    there); False: only the first size (the model's Python runs at every capture)."""
     runs_every_size: bool
     """Whether the first call runs the forward at every capture size even without CUDA graphs (its checks compare
     those runs)."""

@@ -43,7 +43,6 @@ class BreakableFrontend:
     """Runs the model's Python per size under capture; replays the recorded segments and calls."""
 
     name = "breakable"
-    warms_every_size = False
     """The model's own Python runs at each size's capture, so only the first size needs a padded run before it."""
     runs_every_size = True
     """Each capture size runs the forward's Python once at the first call (on a CPU too): paths that depend on the
@@ -79,10 +78,10 @@ class BreakableFrontend:
             self.interceptor = CompiledInterceptor
             self.regions = Regions(parts.model, parts.config.compiler, self.splitting, parts.ladder, parts.stats,
                                    self.static, self.stager)
-            # Inductor's kernels compile and tune on their first run, which cannot be captured. The regions are
-            # traced once for every count (the token count symbolic) and first run before the capture, at the
-            # rehearsals and the padding check; a size that meets a region traced for it alone (one token) fails its
-            # capture, runs padded and is captured again (``capture_sizes._capture_size``).
+            # Inductor's kernels compile and tune on their first run, which cannot be captured: the regions, traced
+            # once for every count, first run at the rehearsals and the padding check; a size whose capture meets a
+            # first run anyway (a region traced for one token alone) is run padded and captured again
+            # (``capture_sizes._capture_size``).
 
     def call_forward(self, arguments: dict[str, Any]) -> Any:
         """The model's forward: as written, or through its compiled regions."""

@@ -1,6 +1,6 @@
 """Every capture size captured at the first call, largest first, into one pool (a second after a capture that fails
-to end): a padded run, then the capture, per size (a front-end that runs the model's Python at every capture needs
-the padded run only for its first size). Full graphs come first; a size whose every call their graph serves gets
+to end): a padded run before the first size's capture only (every size's with tensor parallelism), and before a
+size's second try where its first failed (host work at a first use: a tuning sync, a table upload). Full graphs come first; a size whose every call their graph serves gets
 no piecewise graphs (``stats["full_only_sizes"]``): they would never replay. Not where the front-end's checks
 compare its runs across sizes (``Frontend.runs_every_size``: breakable's ``token_branch``), which also runs each
 size once without CUDA graphs."""
@@ -45,7 +45,7 @@ def capture_all(core: Core, arguments: dict[str, Any], graphs: bool) -> None:
     sizes = [] if core.full.mode == "full" else core.ladder.sizes  # "full": no piecewise graph serves a call
     # Ranks skip nothing: a retry on one rank would leave the others waiting in its collectives. Once a pool is
     # retired, every size warms up: no third pool.
-    warm_each = core.frontend.warms_every_size or distributed()
+    warm_each = distributed()
     if not graphs:
         for size in reversed(sizes):
             rows = min(tokens, size)

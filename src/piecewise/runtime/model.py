@@ -152,9 +152,7 @@ class PiecewiseModel(Core):
             search.unmeasured(self, time.perf_counter() - started)
 
     def _run_direct(self, arguments: dict[str, Any], tokens: int) -> Any:
-        """Without padding or graphs. Token arguments go in as aliases made here, in inference mode, like the
-        staged buffers of padded calls: to Dynamo's guards both kinds of call look the same, whether the caller's
-        tensors were made inside ``torch.inference_mode()`` or outside."""
+        """Without padding or graphs; token arguments handed over as padded calls' are (``direct_tokens``)."""
         direct = direct_tokens(arguments, self.arguments.given_tokens(arguments))
         self.stats.fallback_calls += 1
         return self.run_call(Call(Phase.DIRECT, tokens, tokens), direct)
