@@ -51,13 +51,17 @@ def test_the_layers_of_a_model_are_compiled_once(compiled, frontend):
 
 
 @pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
-def test_inference_tensors_and_slices_trace_once(compiled, frontend):
-    """Token arguments made under ``torch.inference_mode()``, or slices of longer tensors, as a serving loop passes
-    them: still one trace (a view or another dispatch key than the staged buffers' would be traced again)."""
+@pytest.mark.parametrize("made_under", ["grad", "no_grad", "inference_mode"])
+def test_inference_tensors_and_slices_trace_once(compiled, frontend, made_under):
+    """Token arguments made with grad on, under ``no_grad`` or under ``inference_mode()``, sliced from longer
+    tensors as a serving loop passes them: still one trace (a view or another dispatch key than the staged
+    buffers' would be traced again)."""
     torch.manual_seed(0)
     model, (ids, positions, cache) = example(tokens=7, num_layers=4)
-    with torch.inference_mode():
+    mode = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[made_under]
+    with mode():
         ids, positions = ids.clone()[:5], positions.clone()[:5]
+    with torch.inference_mode():
         expected = model(ids, positions, cache.clone())
         runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
                                                                    compiler="inductor"))
