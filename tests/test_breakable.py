@@ -288,3 +288,33 @@ def test_a_splitting_op_output_whose_dimension_0_is_not_the_token_count_is_a_cle
                                                           r"of 6 at 3 tokens and 4 at 2: it grows with the token count "
                                                           r"without being it"):
         runner(torch.randn(3, 4))
+
+
+def test_op_leaves_is_tree_leaves():
+    """The interceptor's per-op flattening gives pytree's leaves, in pytree's order, for any nesting of what ops take
+    and return (and of containers pytree knows and it does not special-case)."""
+    import collections
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from torch.utils._pytree import tree_leaves
+
+    from piecewise.frontends.breakable_outside import op_leaves
+
+    pair = collections.namedtuple("pair", "first second")
+    tensors = [torch.zeros(1), torch.nn.Parameter(torch.ones(2)), torch.empty(0, device="meta")]
+    leaf = st.one_of(st.sampled_from(tensors), st.integers(), st.floats(allow_nan=False), st.none(), st.text(max_size=2),
+                     st.sampled_from([torch.float16, torch.device("cpu")]))
+    tree = st.recursive(leaf, lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=2), inner, max_size=3),
+        st.dictionaries(st.text(max_size=2), inner, max_size=2).map(collections.OrderedDict),
+        st.tuples(inner, inner).map(lambda t: pair(*t))), max_leaves=12)
+
+    @settings(max_examples=300, deadline=None)
+    @given(tree)
+    def check(value):
+        ours, theirs = op_leaves(value), tree_leaves(value)
+        assert len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs))
+
+    check()

@@ -33,7 +33,7 @@ from ..graph.writes import ACCUMULATING_METHODS
 from ..opaque import captured_whole, opaque_op_info
 from .breakable_outside import OutsideTensors, refuse_python_values
 from .breakable_regions import inside_region, watching_regions
-from .breakable_steps import Recording, Step, storage, written_indices
+from .breakable_steps import Recording, Step, storage, written_indices, written_tensors
 from .breakable_survey import Observed, OpLog, offsets, shapes
 from .user_frames import chain_text, user_chain
 
@@ -209,7 +209,7 @@ class Interceptor(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _write(self, func, args: tuple, kwargs: dict) -> Any:
-        written = _written(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         if func._schema.name == "aten::copy_" and _to_host(func, args, kwargs) and \
                 (self.segment is not None or _floating(args[1:])):
             self._refuse_sync(func)
@@ -379,11 +379,6 @@ def _to_host(func, args: tuple, kwargs: dict) -> bool:
         return len(args) > 1 and args[0].device.type == "cpu" and args[1].device.type != "cpu"
     device = kwargs.get("device")
     return device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu"
-
-
-def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    leaves, spec = tree_flatten((args, kwargs))
-    return [leaves[i] for i in written_indices(func, leaves, spec)]
 
 
 def _kind(func, splitting: frozenset[str]) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import SUPPORTED_NODES, tree_leaves
 
 from ..capture.outputs import walk_tensors
 from ..errors import ForwardRefused
@@ -31,14 +31,14 @@ class OutsideTensors:
 
     def made(self, result: Any) -> None:
         """Note what an op of the run returned."""
-        for value in tree_leaves(result):
+        for value in op_leaves(result):
             if isinstance(value, torch.Tensor) and _checkable(value):
                 self.known.add(storage(value))
 
     def check(self, name: str, args: tuple, kwargs: dict | None, labels: list[str] | None = None) -> None:
         """Refuse an op (or a compiled region, ``labels`` naming its inputs) that reads a tensor from outside (see
         the module's docstring)."""
-        for index, value in enumerate(tree_leaves((args, kwargs or {}))):
+        for index, value in enumerate(op_leaves((args, kwargs or {}))):
             if not isinstance(value, torch.Tensor) or not _checkable(value):
                 continue
             pointer = storage(value)
@@ -82,7 +82,34 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _checkable(tensor: torch.Tensor) -> bool:
     """A plain tensor with memory of its own (not meta, not a subclass whose storage is not its data)."""
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and tensor.device.type != "meta"
+    return type(tensor) in _PLAIN_TENSORS and not tensor.is_meta
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+_LEAVES = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.memory_format, torch.layout})
+
+
+def op_leaves(value: Any) -> list:
+    """``tree_leaves(value)``, in its order, for what ops take and return (tensors and numbers in plain lists,
+    tuples and dicts) without pytree's per-node dispatch; other containers (named tuples, registered nodes) through
+    ``tree_leaves``. Runs for every op of every checked run."""
+    found: list = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list) -> None:
+    kind = type(value)
+    if kind is list or kind is tuple or kind is dict:
+        for item in value.values() if kind is dict else value:
+            if type(item) in _LEAVES or isinstance(item, torch.Tensor):
+                found.append(item)
+            else:
+                _collect(item, found)
+    elif isinstance(value, torch.Tensor) or (kind not in SUPPORTED_NODES and not isinstance(value, (tuple, dict))):
+        found.append(value)
+    else:
+        found.extend(tree_leaves(value))
 
 
 def refuse_python_values(tensor: torch.Tensor) -> None:

@@ -81,22 +81,31 @@ def note_output_dims(state: CaptureState, output: Any, dims: list[int | None] | 
 def written_indices(func: Any, leaves: list, spec: Any) -> tuple[int, ...]:
     """Positions among an op call's flattened inputs of the tensors it writes in place (its schema's mutable
     arguments)."""
-    schema = func._schema
-    positions = _WRITTEN.get(func)
-    if positions is None:
-        positions = _WRITTEN[func] = [
-            (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-    if not positions:
+    if not _written_positions(func):
         return ()
     args, kwargs = torch.utils._pytree.tree_unflatten(list(leaves), spec)
+    targets = written_tensors(func, args, kwargs)
+    return tuple(i for i, leaf in enumerate(leaves) if any(leaf is t for t in targets))
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op call writes in place (its schema's mutable arguments), read from its arguments."""
     targets = []
-    for index, name in positions:
+    for index, name in _written_positions(func):
         value = args[index] if index < len(args) else kwargs.get(name)
         if isinstance(value, torch.Tensor):
             targets.append(value)
         elif isinstance(value, (list, tuple)):
             targets.extend(v for v in value if isinstance(v, torch.Tensor))
-    return tuple(i for i, leaf in enumerate(leaves) if any(leaf is t for t in targets))
+    return targets
+
+
+def _written_positions(func: Any) -> list[tuple[int, str]]:
+    positions = _WRITTEN.get(func)
+    if positions is None:
+        positions = _WRITTEN[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                                      if a.alias_info is not None and a.alias_info.is_write]
+    return positions
 
 
 _WRITTEN: dict[Any, list[tuple[int, str]]] = {}
