@@ -7,7 +7,8 @@ share one new cache directory (``PIECEWISE_CACHE_DIR``, Triton's too, and a Pyth
 
 Cases (bf16 on CUDA, default graph modes, under ``torch.inference_mode()``):
 - ``l16-dynamo`` / ``l16-breakable`` / ``l16-inductor``: the bundled 16-layer decode model, 51 sizes (vLLM's
-  ladder to 512), eager pieces through each front-end, and Inductor pieces (``compiler="inductor"``);
+  ladder to 512), each front-end with the default compiler (``"auto"``), and Dynamo with Inductor pieces
+  (``compiler="inductor"``); ``l16-breakable-eager``: breakable with eager pieces (nothing compiles);
 - ``hf-default`` / ``hf-auto`` / ``hf-inductor``: a transformers Llama of Llama-3.2-1B's shapes
   (``configs/llama-3.2-1b``, random weights) through ``TokenModel``, 512 cached tokens per sequence, with the
   default ``CaptureConfig`` / ``compiler="auto"`` / ``compiler="inductor"``.
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent
-CASES = ("l16-dynamo", "l16-breakable", "l16-inductor", "hf-default", "hf-auto", "hf-inductor")
+CASES = ("l16-dynamo", "l16-breakable", "l16-breakable-eager", "l16-inductor", "hf-default", "hf-auto", "hf-inductor")
 BATCHES = (1, 8, 32)
 
 
@@ -45,6 +46,7 @@ def config_of(case: str):
     import piecewise
 
     settings = {"l16-dynamo": {"frontend": "dynamo"}, "l16-breakable": {"frontend": "breakable"},
+                "l16-breakable-eager": {"frontend": "breakable", "compiler": "eager"},
                 "l16-inductor": {"frontend": "dynamo", "compiler": "inductor"}, "hf-default": {},
                 "hf-auto": {"compiler": "auto"}, "hf-inductor": {"compiler": "inductor"}}[case]
     return piecewise.CaptureConfig(max_tokens=512, **settings)
