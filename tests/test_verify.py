@@ -163,3 +163,46 @@ def test_verify_compares_the_tensors_of_a_dataclass_output(monkeypatch):
             report = runner.verify()
             monkeypatch.undo()
         assert not report.ok and report.results[0].worst.startswith("output 0")
+
+
+class _AttributeCache(torch.nn.Module):
+    """vLLM's layout of state: each layer's KV cache a plain module attribute (no buffer), or a list of caches
+    handed in as an argument (vLLM's v0 ``kv_caches``)."""
+
+    def __init__(self, in_argument: bool):
+        super().__init__()
+        self.in_argument = in_argument
+        self.proj = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(8, 8)
+        self.kv_cache = torch.zeros(2, bm.MAX_SEQ, 8)
+
+    def forward(self, x, positions, kv_caches=None):
+        q, k, v = self.proj(x).split(8, dim=-1)
+        cache = kv_caches[0] if self.in_argument else self.kv_cache
+        return self.out(bm.attend_write(q, k, v, positions, cache))
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+@pytest.mark.parametrize("in_argument", [False, True], ids=["module_attribute", "list_argument"])
+def test_state_outside_buffers_and_arguments_is_compared_and_put_back(frontend, in_argument):
+    """verify() writes the cache through both runs at made-up positions: a cache held as a plain module attribute or
+    inside a list argument must be put back (it was left overwritten) and compared (a wrong write there shows)."""
+    torch.manual_seed(0)
+    model = _AttributeCache(in_argument).eval()
+    caches = [torch.zeros(2, bm.MAX_SEQ, 8)] if in_argument else None
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    with torch.no_grad():
+        runner(torch.randn(5, 8), torch.arange(5), caches)
+    state = caches[0] if in_argument else model.kv_cache
+    before = state.clone()
+    report = runner.verify()
+    assert report.ok, str(report)
+    assert torch.equal(state, before), "verify() must put back the cache it wrote"
+    name = "`kv_caches[0]`" if in_argument else "attribute `kv_cache`"
+    assert any(name in what for what in _compared_names(runner)), _compared_names(runner)
+
+
+def _compared_names(runner) -> list[str]:
+    from piecewise.runtime.model_state import model_state
+
+    return [name for name, _ in model_state(runner, runner.last_arguments or {})]

@@ -19,11 +19,12 @@ import torch
 
 from .. import _compat
 from ..capture.buffers import map_tensors
-from ..capture.outputs import output_tensors, walk_tensors
+from ..capture.outputs import output_tensors
 from ..capture.segment import Segment
 from ..capture.state import Call, Phase
 from ..context import ForwardContext, forward_context
 from ..opaque import opaque_op_info
+from .model_state import model_state, writable
 from .verify import rel_error, tolerance
 
 logger = logging.getLogger(__name__)
@@ -274,38 +275,18 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
 
 
 def snapshot(runner: Any, arguments: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor, str]] | None:
-    """Copies of the state a call could write (the static tensor arguments, the tensors inside the other arguments,
-    the model's buffers), each with its name, to put back with ``restore`` after calls made up by piecewise; None
+    """Copies of the state a call could write (the static tensor arguments and ``model_state``), each with its name, to put back with ``restore`` after calls made up by piecewise; None
     where the copies would not fit (``_copy_fits``)."""
     dynamic = runner.arguments.dynamic
     named = [(f"argument {name!r}", t) for name, t in arguments.items() if isinstance(t, torch.Tensor)
              and name not in dynamic]
-    for name, value in arguments.items():
-        if value is not None and not isinstance(value, torch.Tensor) and name not in dynamic:
-            named += [(f"`{name}{path}`", t) for path, t in walk_tensors(value) if t is not None]
-    named += [(f"buffer `{name}`", t) for name, t in runner.model.named_buffers()]
-    state = _writable(named)
+    state = writable(named + model_state(runner, arguments))
     return [(t, t.clone(), name) for name, t in state] if _copy_fits([t for _, t in state]) else None
 
 
 def restore(saved: list[tuple[torch.Tensor, torch.Tensor, str]] | None) -> None:
     for tensor, copy, _ in saved or ():
         tensor.copy_(copy)
-
-
-def _writable(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """The tensors an op could have written in place, each storage once: dense, no element aliased by another
-    (an expanded view cannot be written, nor put back)."""
-    seen, out = set(), []
-    for name, tensor in named:
-        if tensor.layout is not torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or any(
-                stride == 0 and n > 1 for stride, n in zip(tensor.stride(), tensor.shape)):
-            continue
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
-        if key not in seen:
-            seen.add(key)
-            out.append((name, tensor))
-    return out
 
 
 def _copy_fits(tensors: list[torch.Tensor]) -> bool:

@@ -22,6 +22,7 @@ from ..capture.outputs import output_tensors
 from ..capture.state import Call, Phase, probe_call
 from ..frontends.user_frames import chain_text, user_chain
 from ..stored import values
+from .model_state import model_state
 
 CAUSES = ("Typical causes: a host-side decision frozen at capture (Python reading a value, a kernel configuration "
           "chosen from the token count), an op that reads per-call metadata and is not a splitting op (it was "
@@ -165,8 +166,9 @@ def _verify(runner: Any, example: dict[str, Any], sizes: list[int] | None,
     make = _inputs(runner, example, make_inputs)
     static = {name: value for name, value in example.items()
               if isinstance(value, torch.Tensor) and name not in runner.arguments.dynamic}
-    # The model's own buffers are state too (a gpt-fast KV cache): compared and put back like static arguments.
-    static.update({f"buffer {name}": value for name, value in runner.model.named_buffers()})
+    # The model's own state is too (a gpt-fast KV cache in a buffer, vLLM's in a module attribute, a list of caches
+    # in an argument): compared and put back like static arguments, written in place by both runs.
+    static.update(dict(model_state(runner, example)))
     saved = {name: value.clone() for name, value in static.items()}
     stats, last = dict(runner.stats), runner.last_arguments  # verification's calls are not the user's
     report = VerifyReport(runner.stats.frontend, bool(runner.stats.cuda_graphs))
@@ -220,7 +222,7 @@ def _eager(runner, inputs: dict[str, Any], static, saved, probe: bool = False):
     """The model's own forward on copies of the static arguments (its buffers restored first): (output, the
     static tensors after it, the probe's calls, their lines)."""
     _restore(static, saved)
-    copies = {name: saved[name].clone() for name in static if not name.startswith("buffer ")}
+    copies = {name: saved[name].clone() for name in static if name in inputs}  # the static arguments
     state = runner.state
     recorder = None
     with torch.no_grad():
@@ -248,7 +250,7 @@ def _compare(runner, inputs: dict[str, Any], static, saved) -> dict[str, tuple[f
     for index, (ours, theirs) in enumerate(zip(output_tensors(got), output_tensors(expected))):
         errors[f"output {index}"] = (rel_error(ours, theirs), tolerance(theirs.dtype))
     for name, value in static.items():
-        label = name if name.startswith("buffer ") else f"static argument {name!r}"
+        label = f"static argument {name!r}" if name in inputs else name
         ours, theirs = values(value), values(expected_static[name], value)  # an FP8 cache: as its values
         errors[label] = (rel_error(ours, theirs), tolerance(theirs.dtype))
     return errors
