@@ -343,6 +343,40 @@ def test_model_state_changed_after_the_first_call_on_every_call_ends_in_the_name
 
 
 
+def test_argument_values_changing_past_dynamos_recompile_limit_run_eagerly_with_a_short_warning():
+    """SGLang's ForwardBatch: a Python field that changes between calls (a mode, a batch size) traces again each
+    time; past Dynamo's recompile limit such calls run the model's own forward (right numbers, counted, no error
+    partway through serving), and the warnings name the field in a line, not the object's repr or a tensor's values."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        mode: int
+        cache: list
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x, batch):
+            return self.linear(x) * batch.mode + batch.cache[0].sum()
+
+    model = Model()
+    cache = [torch.randn(64, 64)]
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
+    x = torch.randn(3, 4)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for mode in [1, *range(2, 16)]:
+            torch.testing.assert_close(runner(x, Batch(mode, cache)), model(x, Batch(mode, cache)))
+    assert runner.stats["eager_calls"] == 14
+    messages = [str(w.message) for w in caught if "traced again" in str(w.message)]
+    assert any("recompile limit" in text for text in messages), messages
+    assert all("argument 'batch'.mode: 1 -> " in text and len(text) < 800 and "tensor(" not in text
+               for text in messages), messages
+
+
 def test_direct_call_keeps_defaults_keyword_arguments_and_closures():
     offset = torch.randn(4)
 

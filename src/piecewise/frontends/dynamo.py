@@ -96,6 +96,9 @@ class DynamoFrontend:
             change = self.describe_change()
             if change == STATE_CHANGE:
                 raise state_guard_refusal(self.tracer.method) from None
+            if not self.state.preparing:  # raised before the frame ran: the model's own forward serves the call
+                raise StateChanged(f"the model was traced again for calls like this one until Dynamo's recompile "
+                                   f"limit ({change})") from None
             raise ValueError(
                 f"piecewise: the model was traced again until Dynamo's recompile limit ({change}): call it with "
                 f"the argument types and Python values it was captured with, or compile a separate runner for each "

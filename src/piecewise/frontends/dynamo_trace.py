@@ -150,6 +150,20 @@ def state_guard_refusal(method: Any) -> ForwardRefused:
     )
 
 
+class _QuietRecompileLimit(logging.Filter):
+    """Drops Dynamo's log line for a recompile limit hit while a traced call runs: piecewise serves such calls with
+    the model's own forward and warns once per kind of change itself (Dynamo logs it on every call)."""
+
+    active = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.active and isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config."))
+
+
+_quiet = _QuietRecompileLimit()
+logging.getLogger("torch._dynamo.convert_frame").addFilter(_quiet)
+
+
 class ForwardTracer:
     """Calls the Dynamo-compiled forward; handles the first trace's failure modes.
 
@@ -191,7 +205,11 @@ class ForwardTracer:
                 # about code piecewise reports itself, as blockers with their fix.
                 warnings.filterwarnings("ignore", message=r"Dynamo (detected|does not know)", category=UserWarning)
                 if self.first_trace_done:
-                    return self.compiled(*args, **kwargs)
+                    _quiet.active = True
+                    try:
+                        return self.compiled(*args, **kwargs)
+                    finally:
+                        _quiet.active = False
                 try:
                     output = self.compiled(*args, **kwargs)
                 except _compat.UNTRACEABLE as exc:

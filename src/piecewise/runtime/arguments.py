@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..capture.state import STATE_CHANGE
+from .guards import NOT_SET, summary, summary_difference
 from .layout import inner
 
 logger = logging.getLogger(__name__)
@@ -263,7 +264,8 @@ class Arguments:
     def _moved(self, name: str, value: torch.Tensor) -> str:
         """How a static argument differs from the first call's: its dtype or device (a converted copy), else its
         storage."""
-        first_dtype, first_device, _ = (self.first_signature or {}).get(name, (None, None, None))
+        first = (self.first_signature or {}).get(name)
+        first_dtype, first_device = first[1:3] if type(first) is tuple and first[:1] == ("tensor",) else (None, None)
         changes = [f"has {what} {now} and had {then}" for what, now, then in (
             ("dtype", value.dtype, first_dtype), ("device", value.device.type, first_device)) if then not in (None, now)]
         return f"it {' and '.join(changes)}: a converted copy is another tensor" if changes else "its storage moved"
@@ -284,26 +286,25 @@ class Arguments:
         return ""
 
     def signature(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Each argument's ``guards.summary``, a token tensor's token dimension left out."""
         def describe(name: str, value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                shape = list(value.shape)
-                if name in self.dynamic:
-                    shape[0] = "tokens"
-                return (value.dtype, value.device.type, tuple(shape))
-            return repr(value)
+            if isinstance(value, torch.Tensor) and name in self.dynamic:
+                return ("tensor", value.dtype, value.device.type, ("tokens", *value.shape[1:]))
+            return summary(value)
 
         return {name: describe(name, value) for name, value in arguments.items()}
 
     def describe_change(self, last: dict[str, Any] | None) -> str:
+        """What the last call's arguments changed since the first call's, where it changed: a field of an object, an
+        item of a list (one line each, values shortened, tensors by dtype and shape)."""
         if self.first_signature is None or last is None:
             return "unknown change"
-        now = self.signature(last)
-        changes = [
-            f"argument {name!r}: {self.first_signature.get(name)} -> {now.get(name)}"
-            for name in sorted(set(now) | set(self.first_signature))
-            if now.get(name) != self.first_signature.get(name)
-        ]
-        return "; ".join(changes) if changes else STATE_CHANGE
+        now, first = self.signature(last), self.first_signature
+        changes = [summary_difference(first.get(name, NOT_SET), now.get(name, NOT_SET), f"argument {name!r}")
+                   for name in sorted(set(now) | set(first))]
+        changes = [change for change in changes if change]
+        return "; ".join(changes[:3]) + (f"; {len(changes) - 3} more" if len(changes) > 3 else "") if changes \
+            else STATE_CHANGE
 
 
 def call_tokens(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:

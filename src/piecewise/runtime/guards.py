@@ -18,6 +18,7 @@ per distinct difference naming it. Parameters replaced or moved are ``ParameterW
 
 from __future__ import annotations
 
+import enum
 import re
 import warnings
 from typing import Any
@@ -190,3 +191,61 @@ def _describe(name: str, want: tuple, value: Any) -> str:
             return f"argument {name!r} has {what} {now} and had {was} at the first call"
     return f"argument {name!r} has shape {tuple(value.shape)} and strides {value.stride()}, and had " \
            f"{tuple(want[4][0])} and {want[4][1]} at the first call"
+
+
+def summary(value: Any, depth: int = 3) -> Any:
+    """What a trace depends on of a value, comparable and short to print: tensors by dtype, device and shape (not
+    contents or address), numbers, strings and flags by value, containers and objects' fields ``depth`` levels down."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.device.type, tuple(value.shape))
+    if isinstance(value, (*_PLAIN, enum.Enum)):
+        return value
+    if depth == 0 or isinstance(value, torch.nn.Module):
+        return ("object", type(value).__name__)
+    if isinstance(value, (list, tuple)):
+        return ("items", type(value).__name__, tuple(summary(v, depth - 1) for v in value))
+    if isinstance(value, dict):
+        return ("fields", "dict", tuple((key, summary(v, depth - 1)) for key, v in value.items()))
+    from ..capture.outputs import object_fields  # capture imports runtime's siblings only through this call
+
+    fields = object_fields(value)
+    if not fields:
+        return ("object", type(value).__name__)
+    return ("fields", type(value).__name__, tuple((key, summary(v, depth - 1)) for key, v in fields.items()))
+
+
+def summary_difference(was: Any, now: Any, path: str) -> str | None:
+    """``path.field[index]: before -> now`` for the first place two ``summary``s differ, or None."""
+    if was == now:
+        return None
+    kinds = {type(v) is tuple and len(v) == 3 and v[0] in ("items", "fields") and v[0] for v in (was, now)}
+    if len(kinds) == 1 and False not in kinds and was[1] == now[1]:
+        if was[0] == "items":
+            if len(was[2]) != len(now[2]):
+                return f"{path}: {len(was[2])} items -> {len(now[2])}"
+            places = [(f"{path}[{i}]", a, b) for i, (a, b) in enumerate(zip(was[2], now[2]))]
+        else:
+            old, new = dict(was[2]), dict(now[2])
+            sub = "{path}[{key!r}]" if was[1] == "dict" else "{path}.{key}"
+            places = [(sub.format(path=path, key=key), old.get(key, NOT_SET), new.get(key, NOT_SET))
+                      for key in {**old, **new}]
+        return next((found for place, a, b in places if (found := summary_difference(a, b, place))), None)
+    return f"{path}: {_shown(was)} -> {_shown(now)}"
+
+
+class _NotSet:
+    def __repr__(self) -> str:
+        return "not set"
+
+
+NOT_SET = _NotSet()
+"""A field or argument one side of a ``summary_difference`` lacks."""
+
+
+def _shown(value: Any) -> str:
+    if type(value) is tuple and value and value[0] == "tensor":
+        return f"{str(value[1]).removeprefix('torch.')} tensor {list(value[3])} on {value[2]}"
+    if type(value) is tuple and value and value[0] in ("items", "fields", "object"):
+        return f"a {value[1]}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
