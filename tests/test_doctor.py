@@ -347,3 +347,45 @@ def test_the_doctor_names_per_token_metadata_given_to_an_opaque_op_that_does_not
     report = doctor(RotatesByPosition(), ids, torch.arange(6))
     assert any("`test_doctor::rotate`" in w and "per-call metadata (positions" in w for w in report.warnings), \
         report.warnings
+
+
+@torch.library.custom_op("doctor_tests::mix_rows", mutates_args=())
+def _mix_rows(x: torch.Tensor) -> torch.Tensor:
+    """Attention's shape of work: every row reads every other (a vLLM attention op registered with torch.library)."""
+    return x.softmax(0) * x.shape[0]
+
+
+@_mix_rows.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _LibraryAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.ops.doctor_tests.mix_rows(self.linear(x)))
+
+
+def test_doctor_takes_the_splitting_ops_the_runner_will_be_given(tmp_path, capsys) -> None:
+    """A torch.library op named in CaptureConfig(splitting_ops=...) runs eagerly between pieces: the doctor, told so
+    (argument or --splitting-ops), judges the model as the runner will; untold, the op mixes padded rows."""
+    from piecewise.cli import main
+
+    model, x = _LibraryAttention(), torch.randn(5, 8)
+    assert [b.kind for b in doctor(model, x).blockers] == ["token_mixing"]
+    report = doctor(model, x, splitting_ops=["doctor_tests::mix_rows"])
+    assert report.ok, str(report)
+    with pytest.raises(ValueError, match="'doctor_tests::no_such_op', which is not a registered op"):
+        doctor(model, x, splitting_ops=["doctor_tests::no_such_op"])
+    target = tmp_path / "target.py"
+    target.write_text(f"import sys, torch\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+                      f"from test_doctor import _LibraryAttention\n"
+                      f"def factory():\n    return _LibraryAttention(), (torch.randn(5, 8),)\n")
+    assert main(["doctor", f"{target}:factory", "--splitting-ops", "doctor_tests::mix_rows"]) == 0
+    assert main(["doctor", f"{target}:factory"]) == 1
+    capsys.readouterr()
+    assert main(["doctor", f"{target}:factory", "--splitting-ops", "doctor_tests::nope"]) == 2
+    assert "not a registered op" in capsys.readouterr().err

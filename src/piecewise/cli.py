@@ -70,6 +70,9 @@ def add_doctor(subparsers: argparse._SubParsersAction) -> None:
         "Run the model once eagerly, trace its forward with Dynamo and report every capture "
         "blocker (kind, call chain, fix). Exit 0 when capture-safe, 1 when blockers were found.")
     parser.add_argument("target", help="path/to/file.py:factory; factory() returns (model, args[, kwargs])")
+    parser.add_argument("--splitting-ops", metavar="NS::OP,...",
+                        help="the ops that run eagerly between captured pieces, as CaptureConfig(splitting_ops=...) "
+                             "(default: every op made with piecewise.opaque_op(..., split=True))")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -78,11 +81,16 @@ def run_doctor(options: argparse.Namespace) -> int:
 
     from piecewise.diagnose import doctor
 
-    if options.json:  # keep stdout pure JSON even if the model prints
-        with contextlib.redirect_stdout(sys.stderr):
-            report = doctor(target.model, *target.args, **target.kwargs)
-    else:
-        report = doctor(target.model, *target.args, **target.kwargs)
+    splitting = [name.strip() for name in options.splitting_ops.split(",") if name.strip()] \
+        if options.splitting_ops else None
+    try:
+        # --json: stdout stays pure JSON even if the model prints
+        with contextlib.redirect_stdout(sys.stderr) if options.json else contextlib.nullcontext():
+            report = doctor(target.model, *target.args, splitting_ops=splitting, **target.kwargs)
+    except ValueError as exc:  # a splitting op that is no registered op
+        if splitting is None or "splitting_ops" not in str(exc):
+            raise
+        raise UsageError(str(exc)) from exc
     if options.json:
         print(report.to_json())
     else:

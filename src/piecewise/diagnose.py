@@ -7,6 +7,7 @@ lives on a CUDA device, asks the runtime for a trial capture that finds ops ille
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import json
@@ -32,7 +33,7 @@ from piecewise.diagnostics.blockers import (
 )
 from piecewise.diagnostics.classify import FIXES
 from piecewise.frontends.user_frames import chain_text, user_chain
-from piecewise.opaque import check_fakes, opaque_call_counts, opaque_op_info
+from piecewise.opaque import check_fakes, opaque_call_counts, opaque_op_info, resolve_splitting_ops
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +204,10 @@ def _trial_capture(model: Any, args: tuple, kwargs: dict, hook: str = "trial_cap
         return blockers_from_exception(exc, root_file=_source_file(model))
 
 
-def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
+def doctor(model: Any, *args: Any, splitting_ops: Any = None, **kwargs: Any) -> DoctorReport:
     """Check whether ``model(*args, **kwargs)`` can be captured; list every blocker with its fix.
+    ``splitting_ops``: as ``CaptureConfig(splitting_ops=...)`` (ops of ``torch.library`` that run eagerly between
+    captured pieces, named as the runner will be given them; None: every op made with ``split=True``).
 
     Runs the model once eagerly, then traces its forward with Dynamo (the model runs again, partly
     eagerly, while being traced), then runs piecewise's first call on the inputs (padding check, token-count
@@ -212,6 +215,14 @@ def doctor(model: Any, *args: Any, **kwargs: Any) -> DoctorReport:
     compiled-frame caches are reset along the way. Raises RuntimeError if the eager run itself fails, and
     ``FakeMismatch`` if an opaque op's fake describes other outputs than the op returned in it.
     """
+    if splitting_ops is not None:
+        resolve_splitting_ops(splitting_ops)  # a name that is no op: the ValueError the runner would raise
+    splitting = getattr(importlib.import_module("piecewise.runtime"), "trial_splitting_ops", None)
+    with splitting(splitting_ops) if splitting is not None else contextlib.nullcontext():
+        return _doctor(model, args, kwargs)
+
+
+def _doctor(model: Any, args: tuple, kwargs: dict) -> DoctorReport:
     forward = _forward_of(model)
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if first is not None and first.shape[:1] == (1,) and first.dim() >= 3 and first.shape[1] > 1 and \

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
 
 import torch
@@ -14,12 +16,25 @@ from ..graph.stack import node_stack
 from .arguments import call_tokens
 from .model import PiecewiseModel, compile
 
-__all__ = ["PiecewiseModel", "auto_trial", "breakable_trial", "compile", "trial_capture"]
+__all__ = ["PiecewiseModel", "auto_trial", "breakable_trial", "compile", "trial_capture", "trial_splitting_ops"]
 
 
 DOCTOR_MAX_TOKENS = 16
 """The top of the ladder the doctor's trial first calls use (1, 2, 4, 8 and 16 tokens), or the
 inputs' token count where that is larger."""
+
+
+_splitting_ops: contextvars.ContextVar = contextvars.ContextVar("piecewise_trial_splitting_ops", default=None)
+
+
+@contextlib.contextmanager
+def trial_splitting_ops(names):
+    """The trials inside take ``CaptureConfig(splitting_ops=names)`` (None: every op made with ``split=True``)."""
+    token = _splitting_ops.set(names)
+    try:
+        yield
+    finally:
+        _splitting_ops.reset(token)
 
 
 def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: str = "dynamo",
@@ -35,7 +50,8 @@ def trial_capture(model: torch.nn.Module, args: tuple, kwargs: dict, frontend: s
     tokens = call_tokens(model, args, kwargs)
     breaks = frontend == "dynamo-breaks"  # Dynamo with graph breaks: auto's last candidate
     config = CaptureConfig(max_tokens=max(DOCTOR_MAX_TOKENS, tokens), frontend="dynamo" if breaks else frontend,
-                           strict=frontend == "dynamo", compiler="eager")  # what blocks capture, not what is fast
+                           strict=frontend == "dynamo", compiler="eager",  # what blocks capture, not what is fast
+                           splitting_ops=_splitting_ops.get())
     runner = PiecewiseModel(model, config, None)
     try:
         with warnings.catch_warnings():
