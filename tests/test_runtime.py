@@ -587,6 +587,31 @@ def test_a_batch_first_model_with_its_cache_in_buffers_runs_with_tokens_first():
     assert runner.stats["eager_writes"] == 4 and runner.stats["padded_calls"] >= 2 and runner.stats["traces"] == 1
 
 
+def test_a_one_token_batch_first_first_call_is_told_the_batch_first_naming():
+    """gpt-fast decoding first ([1, 1] ids, [1] positions): one sequence of one token, ambiguous; the refusal names
+    the naming that takes the ids batch-first, and that naming serves the model."""
+    from fixtures.state_models import BatchFirstCache
+
+    from piecewise.errors import ForwardRefused
+
+    torch.manual_seed(0)
+    model = BatchFirstCache().eval()
+    ids = torch.randint(0, 100, (1, 1))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ForwardRefused, match=r"\[batch, tokens\].*dynamic=\{'idx': 1, 'input_pos': 0\}"):
+            runner(ids, torch.tensor([0]))
+        named = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None),
+                                  dynamic={"idx": 1, "input_pos": 0})
+        got = named(ids, torch.tensor([0]))
+    for layer in model.layers:
+        layer.k.zero_()
+        layer.v.zero_()
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(ids, torch.tensor([0])))
+
+
 @pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
 @pytest.mark.parametrize("dynamic,batch", [(None, 1), ({"idx": 1, "input_pos": 0}, 1), (None, 2)])
 def test_a_batch_first_model_runs_called_in_its_own_layout(frontend, dynamic, batch):

@@ -217,8 +217,19 @@ class Arguments:
         return (f" piecewise took the token arguments by themselves at the first call, every tensor argument with "
                 f"as many rows as {lead!r} ({rows}{', a one-token call' if rows == 1 else ''}): {shapes}. If some "
                 f"of them do not have one row per token (a temperature, a bias, a table), name the token arguments: "
-                f"piecewise.compile(model, dynamic={{{lead!r}: 0, ...}})"
+                f"piecewise.compile(model, dynamic={{{', '.join(f'{n!r}: {self.moved.get(n, 0)}' for n in self.dynamic)}}}) "
+                f"less those, each with its token dimension" + self._batch_first_alternative()
                 + (", or make the first call with more than one token." if rows == 1 else "."))
+
+    def _batch_first_alternative(self) -> str:
+        """For token arguments of one row taken tokens-first ([1, 1] ids: one sequence, one token): the naming that
+        takes them batch-first ([batch, tokens], gpt-fast's and transformers' layout)."""
+        flipped = [n for n in self.dynamic if self.moved.get(n, 0) == 0 and len(self.first_shapes.get(n, ())) == 2
+                   and self.first_shapes[n][0] == 1]
+        if not flipped:
+            return ""
+        dims = ", ".join(f"{n!r}: {1 if n in flipped else self.moved.get(n, 0)}" for n in self.dynamic)
+        return f" ([batch, tokens] arguments such as gpt-fast's and transformers' ids: dynamic={{{dims}}})"
 
     def rows(self, arguments: dict[str, Any]) -> int:
         """The tokens of a call's arguments as the runtime holds them (the first token argument given)."""
