@@ -385,18 +385,31 @@ def test_a_plain_transformers_model_called_batch_first_equals_eager_and_its_cach
     assert runner.token_arguments == {"input_ids": 1} and runner.stats["padded_calls"] >= 2
 
 
-def test_transformers_own_static_cache_is_refused_naming_piecewises_cache():
-    """transformers' recommended fast path called through piecewise (a StaticCache, cache_position): the forward
-    updates the cache object from its own value and reads every cache row, so the first call is refused, and the
-    refusal says how piecewise serves a KV cache."""
+@pytest.mark.parametrize("kind", ["StaticCache", "DynamicCache"])
+def test_transformers_own_cache_is_refused_naming_piecewises_cache_and_left_as_it_was(kind):
+    """transformers' recommended fast path called through piecewise (a StaticCache, cache_position; or a
+    DynamicCache): the forward updates the cache object from its own value and reads every cache row, so the first
+    call is refused, and the refusal says how piecewise serves a KV cache. The caller's cache is put back as it was:
+    the first call's runs had left a DynamicCache three prefills long and a StaticCache full of inference tensors
+    that the next eager call could not write."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)
     model = transformers.LlamaForCausalLM(config).eval()
-    cache = transformers.StaticCache(config=config, max_cache_len=32)
+    make = (lambda: transformers.StaticCache(config=config, max_cache_len=32)) if kind == "StaticCache" else \
+        (lambda: transformers.DynamicCache(config=config))
+    cache, fresh = make(), make()
+    ids = torch.randint(0, 128, (1, 7))
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, cache_dir=None))
-    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"past_key_values=StaticCache.*piecewise.generate"):
-        runner(torch.randint(0, 128, (1, 7)), past_key_values=cache, cache_position=torch.arange(7), use_cache=True)
+    with torch.no_grad():
+        with pytest.raises(ForwardRefused, match=rf"past_key_values={kind}.*piecewise.generate"):
+            runner(ids, past_key_values=cache, cache_position=torch.arange(7), use_cache=True)
+        assert cache.get_seq_length() == 0
+        logits = [model(ids, past_key_values=c, cache_position=torch.arange(7)).logits for c in (cache, fresh)]
+        steps = [model(torch.tensor([[5]]), past_key_values=c, cache_position=torch.tensor([7])).logits
+                 for c in (cache, fresh)]
+    torch.testing.assert_close(logits[0], logits[1])
+    torch.testing.assert_close(steps[0], steps[1])
 
 
 def test_transformers_own_output_capturing_hooks_are_not_named():

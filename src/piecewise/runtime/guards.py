@@ -188,7 +188,10 @@ def _describe(name: str, want: tuple, value: Any) -> str:
     for what, was, now in (("dtype", want[1], value.dtype), ("device", want[2], value.device),
                            ("layout", want[3], value.layout)):
         if was != now:
-            return f"argument {name!r} has {what} {now} and had {was} at the first call"
+            cast = f" (cast it: {name}.to({was}) gives the graphs' dtype and the same values; gpt-fast's sampler " \
+                f"returns int32 tokens)" if what == "dtype" and not was.is_floating_point and not was.is_complex \
+                and was != torch.bool and not now.is_floating_point and not now.is_complex and now != torch.bool else ""
+            return f"argument {name!r} has {what} {now} and had {was} at the first call{cast}"
     return f"argument {name!r} has shape {tuple(value.shape)} and strides {value.stride()}, and had " \
            f"{tuple(want[4][0])} and {want[4][1]} at the first call"
 

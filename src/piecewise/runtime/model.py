@@ -111,10 +111,14 @@ class PiecewiseModel(Core):
         return inner(self.model)(*args, **kwargs)
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
+        kept = _transformers_caches(arguments)
         try:
             self._prepare_with_hints(arguments)
         except BaseException:
             self.arguments.forget_first()  # the next call is a first call again: its arguments decide afresh
+            for cache, state in kept:  # the first call's runs appended to it (or wrote inference tensors in)
+                vars(cache).clear()
+                vars(cache).update(state)
             raise
 
     def _prepare_with_hints(self, arguments: dict[str, Any]) -> None:
@@ -232,6 +236,16 @@ def compile(
 _PIECEWISE_ERRORS = (CaptureBlockedError, CaptureFailed, CaptureOutOfMemory, FakeMismatch, VerificationError)
 _ABOUT_ROWS = {BlockerKind.TOKEN_MIXING, BlockerKind.TOKEN_BRANCH, BlockerKind.TOKEN_LAYOUT}
 """Refusals about which rows are tokens: where ids were taken batch-first, the other reading is worth naming."""
+
+
+def _transformers_caches(arguments: dict[str, Any]) -> list[tuple[Any, dict]]:
+    """transformers' cache objects among the arguments, each with a copy of its state as the caller made it (a
+    refused first call puts it back: its runs would have left a DynamicCache three prefills long)."""
+    import copy
+
+    caches = [value for value in arguments.values() if type(value).__module__.startswith("transformers.cache")]
+    with torch.inference_mode(False):  # ordinary tensors, as the caller's were
+        return [(cache, copy.deepcopy(vars(cache))) for cache in caches]
 
 
 def _with_hints(exc: ForwardRefused, arguments: dict[str, Any], binder: Any) -> ForwardRefused:
