@@ -83,3 +83,27 @@ def test_generate_prints_the_greedy_tokens_transformers_generates(checkpoint, ca
 def test_bench_of_a_factory_without_an_inputs_function_says_what_to_write(capsys):
     assert main(["bench", f"{TARGETS}:jit_model", "--tokens", "2,5"]) == 2
     assert "--tokens needs jit_model_inputs(num_tokens) beside jit_model in the target's file" in capsys.readouterr().err
+
+
+def test_bench_of_a_batch_first_factory_counts_its_tokens_as_the_runner_does(capsys):
+    """gpt-fast's ids [1, 7] are 7 tokens (the runner takes them batch-first): counted as 1, every mode was built for
+    one token and refused the call, the table cut its reason mid-sentence."""
+    assert main(["bench", f"{TARGETS}:gpt_fast_prefill", "--modes", "breakable,dynamo", "--rounds", "1",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [call["label"] for call in report["calls"]] == ["7 tokens"], report["calls"]
+    rows = {row["name"]: row for row in report["modes"]}
+    assert not rows["breakable"]["error"] and not rows["dynamo"]["error"], rows
+    assert max(rows["dynamo"]["rel_error"].values()) <= 1e-5
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt-ids", "1,2,x"], r"--prompt-ids takes comma-separated token ids, e\.g\. 1,2,3; got '1,2,x'"),
+    (["--prompt-ids", "1,2", "--top-p", "0"], r"top_p 0\.0 \(in \(0, 1\]\)"),
+    (["--prompt-ids", "1,99999"], r"token id 99999, outside the model's vocabulary of 256"),
+])
+def test_generate_bad_input_says_what_to_give(checkpoint, capsys, argv, message):
+    import re
+
+    assert main(["generate", checkpoint, "--random-weights", *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)

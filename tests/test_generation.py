@@ -113,6 +113,18 @@ def test_bad_requests_are_refused_with_what_to_give():
     with pytest.raises(ValueError, match=r"max_new_tokens has 3 limits for 2 prompts"):
         piecewise.generate(model, [torch.arange(3), torch.arange(4)], [1, 2, 3])
     assert piecewise.generate(model, [torch.arange(3)], 0)[0].numel() == 0
+    vocab = model.get_input_embeddings().num_embeddings
+    for request, message in [
+        ({"top_p": 0.0, "temperature": 1.0}, r"top_p 0\.0 \(in \(0, 1\]\)"),
+        ({"temperature": -0.5}, r"temperature -0\.5 \(0 is greedy"),
+        ({"top_k": 0, "temperature": 1.0}, r"top_k 0 \(1 or more\)"),
+        ({"max_new_tokens": -1}, r"max_new_tokens must be whole numbers of 0 or more, got -1"),
+        ({"prompts": [torch.tensor([1.0, 2.0])]}, r"prompt 0 holds torch.float32 values: token ids are integers"),
+        ({"prompts": [torch.tensor([1, vocab])]}, rf"prompt 0 holds token id {vocab}, outside the model's vocabulary"),
+    ]:
+        call = {"prompts": [torch.arange(3)], "max_new_tokens": 2, **request}
+        with pytest.raises(ValueError, match=message):  # not torch's error from deep inside, nor greedy in silence
+            piecewise.generate(model, call.pop("prompts"), call.pop("max_new_tokens"), **call)
 
 
 @pytest.mark.parametrize("name", ["Llama", "DeepseekV3"])

@@ -117,7 +117,7 @@ def measure(model: torch.nn.Module, calls: list[Call], modes: dict[str, dict], *
                 row.pool_bytes = stats["pool_bytes"]
                 row.chosen = f"{stats['frontend']}, {runner.config.compiler} pieces, {stats['graph_mode']}"
             except Exception as exc:  # noqa: BLE001 - a mode the model cannot take is a row of the table
-                row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                row.error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"  # whole: JSON; cut in the table
             finally:
                 runner = None
                 if torch.cuda.is_available():

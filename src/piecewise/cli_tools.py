@@ -25,6 +25,28 @@ def _sizes(text: str, what: str) -> list[int]:
     return sizes
 
 
+def _call_tokens(model, args: tuple, kwargs: dict) -> int:
+    """A factory call's tokens as the runner counts them ([1, T] ids batch-first: T)."""
+    from piecewise.runtime.arguments import call_tokens
+
+    try:
+        return call_tokens(model, args, kwargs)
+    except Exception:  # noqa: BLE001 - the runner's own first call reports what is wrong with the arguments
+        import torch
+
+        return next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-ids takes comma-separated token ids, e.g. 1,2,3; got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise UsageError(f"--prompt-ids takes one or more token ids of 0 or more, got {text!r}")
+    return ids
+
+
 def _is_checkpoint(target: str) -> bool:
     return os.path.isdir(target) or os.path.basename(target) == "config.json"
 
@@ -99,7 +121,7 @@ def run_bench(options: argparse.Namespace) -> int:
             args, kwargs = (inputs, {}) if not isinstance(inputs, tuple) or len(inputs) != 2 or \
                 not isinstance(inputs[1], dict) else inputs
             args = args if isinstance(args, tuple) else (args,)
-            count = n or next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+            count = n or _call_tokens(model, args, kwargs)
             calls.append(bench.Call(f"{count} tokens", count, args, kwargs))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA: no graphs)"
     meta = {"target": options.target, "torch": torch.__version__, "device": device,
@@ -115,6 +137,7 @@ def run_bench(options: argparse.Namespace) -> int:
     if options.json:
         print(json.dumps(bench.to_json(rows, calls, meta), indent=2, default=str))
         return EXIT_OK
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"piecewise bench {options.target} ({device})")
@@ -124,7 +147,8 @@ def run_bench(options: argparse.Namespace) -> int:
     for row in rows:
         name = f"{row.name} → {row.chosen}" if row.name == "auto" else row.name
         if row.error:
-            table.add_row(name, f"[red]{row.error}[/red]", *[""] * (len(calls) + 2))
+            short = row.error if len(row.error) <= 160 else row.error[:157] + "... (below)"
+            table.add_row(name, f"[red]{escape(short)}[/red]", *[""] * (len(calls) + 2))
             continue
         cells = [f"[bold]{row.ms[c.label]:.3f}[/bold]" if row.ms[c.label] == fastest[c.label] else
                  f"{row.ms[c.label]:.3f}" for c in calls]
@@ -132,6 +156,9 @@ def run_bench(options: argparse.Namespace) -> int:
                       "" if not row.pool_bytes else f"{row.pool_bytes / 2**20:.0f}",
                       f"{max(row.rel_error.values(), default=0):.1e}")
     console.print(table)
+    for row in rows:
+        if row.error and len(row.error) > 160:
+            console.print(f"[red]{row.name}[/red]: {escape(row.error)}")
     if options.plot:
         console.print(f"plot: {options.plot}")
     return EXIT_OK
@@ -159,7 +186,7 @@ def run_generate(options: argparse.Namespace) -> int:
         raise UsageError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     if not _is_checkpoint(options.target):
         raise UsageError(f"{options.target}: not a checkpoint folder (a folder with config.json)")
-    ids = [_sizes(text, "--prompt-ids") if text else [] for text in options.prompt_ids]
+    ids = [_token_ids(text) for text in options.prompt_ids]
     model = _checkpoint(options.target, options.random_weights)
     tokenizer = None
     if options.prompt:
@@ -175,11 +202,18 @@ def run_generate(options: argparse.Namespace) -> int:
     import piecewise
 
     prompts = [torch.tensor(p, dtype=torch.long) for p in ids]
-    out = piecewise.generate(model, prompts, options.max_new_tokens, temperature=options.temperature,
-                             top_k=options.top_k, top_p=options.top_p, seed=options.seed,
-                             on_token=None if options.json else lambda i, t: print(f"[{i}] {t}", flush=True))
+    try:  # the request is checked when the stream is made: a bad one is a usage error, not a traceback
+        stream = piecewise.generate_stream(model, prompts, options.max_new_tokens, temperature=options.temperature,
+                                           top_k=options.top_k, top_p=options.top_p, seed=options.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    out: list[list[int]] = [[] for _ in prompts]
+    for i, token in stream:
+        out[i].append(token)
+        if not options.json:
+            print(f"[{i}] {token}", flush=True)
     if options.json:
-        print(json.dumps({"new_tokens": [o.tolist() for o in out]}))
+        print(json.dumps({"new_tokens": out}))
     elif tokenizer is not None:
         for i, tokens in enumerate(out):
             print(f"[{i}] {tokenizer.decode(tokens)}")

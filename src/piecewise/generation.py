@@ -125,10 +125,22 @@ def generate_stream(model: nn.Module, prompts: Sequence[torch.Tensor], max_new_t
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(prompts):
         raise ValueError(f"max_new_tokens has {len(limits)} limits for {len(prompts)} prompts: give one, or one each")
+    if any(not isinstance(limit, int) or limit < 0 for limit in limits):
+        raise ValueError(f"max_new_tokens must be whole numbers of 0 or more, got {max_new_tokens!r}")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError(f"prompt {i} must be a non-empty 1-D tensor of token ids, got "
                              f"{getattr(prompt, 'shape', type(prompt).__name__)}")
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise ValueError(f"prompt {i} holds {prompt.dtype} values: token ids are integers (torch.long)")
+        if vocab is not None and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab):
+            raise ValueError(f"prompt {i} holds token id {int(prompt.min()) if int(prompt.min()) < 0 else int(prompt.max())}"
+                             f", outside the model's vocabulary of {vocab} (ids 0 to {vocab - 1})")
+    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+        raise ValueError(f"sampling settings out of range: temperature {temperature} (0 is greedy, more samples), "
+                         f"top_p {top_p} (in (0, 1]), top_k {top_k} (1 or more); None leaves top_p / top_k out")
     if max_batch < 1 or prefill_tokens < 1:
         raise ValueError(f"max_batch and prefill_tokens must be positive, got {max_batch} and {prefill_tokens}")
     return _stream(model, prompts, limits, temperature, top_k, top_p, seed, stop_tokens, max_batch, prefill_tokens,
