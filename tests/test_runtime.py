@@ -377,6 +377,38 @@ def test_argument_values_changing_past_dynamos_recompile_limit_run_eagerly_with_
                for text in messages), messages
 
 
+_CONTEXT: dict = {}
+
+
+class _ReadsAGlobalPerTokenTensor(torch.nn.Module):
+    """vLLM's forward context read outside any splitting op: a per-token scale taken from a global."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x) * _CONTEXT["scale"][:, None]
+
+
+def test_a_later_trace_that_fails_on_the_padded_rows_runs_the_models_own_forward():
+    """A one-token first call reads a global per-token tensor of one row (it broadcasts, so nothing shows); a later
+    call of more tokens traces again and that trace fails on its padded rows (the global has the real rows), or is
+    refused: each such call runs the model's own forward with a warning, no error partway through serving."""
+    torch.manual_seed(0)
+    model = _ReadsAGlobalPerTokenTensor()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo", cache_dir=None))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for tokens in (1, 3, 5, 3):
+            x = torch.randn(tokens, 4)
+            _CONTEXT["scale"] = torch.rand(tokens) + 0.5
+            torch.testing.assert_close(runner(x), model(x))
+    assert runner.stats["eager_calls"] == 3
+    assert any("traced again after the first call" in str(w.message) and "cannot serve padded calls"
+               in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 def test_direct_call_keeps_defaults_keyword_arguments_and_closures():
     offset = torch.randn(4)
 

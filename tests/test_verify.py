@@ -206,3 +206,39 @@ def _compared_names(runner) -> list[str]:
     from piecewise.runtime.model_state import model_state
 
     return [name for name, _ in model_state(runner, runner.last_arguments or {})]
+
+
+_METADATA: dict = {}
+
+
+@piecewise.opaque_op("verify_tests::scaled_rows", split=True)
+def _scaled_rows(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's attention shape of input: per-call metadata taken from a global forward context, not an argument."""
+    return x * _METADATA["scale"][: x.shape[0], None]
+
+
+class _ReadsMetadata(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(_scaled_rows(self.linear(x)))
+
+
+def test_verify_on_a_model_whose_metadata_it_cannot_make_says_to_pass_make_inputs():
+    torch.manual_seed(0)
+    model = _ReadsMetadata()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
+    _METADATA["scale"] = torch.rand(5)
+    with torch.no_grad():
+        runner(torch.randn(5, 4))
+    with pytest.raises(ValueError, match=r"verify: the model fails on the inputs verify made for \d+ tokens .*"
+                                         r"pass make_inputs=lambda num_tokens"):
+        runner.verify()
+
+    def make_inputs(tokens):
+        _METADATA["scale"] = torch.rand(tokens)
+        return (torch.randn(tokens, 4),)
+
+    assert runner.verify(make_inputs=make_inputs).ok

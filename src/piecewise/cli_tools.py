@@ -130,8 +130,12 @@ def run_bench(options: argparse.Namespace) -> int:
     if not sys.stdout.isatty():  # piped: a table as wide as it needs, not cropped to 80 columns
         console.width = max(console.width, 90 + 14 * len(calls))
     with console.status("eager") as status:
-        rows = bench.measure(model, calls, modes, rounds=options.rounds,
-                             progress=lambda name: status.update(f"measured {name}"))
+        def progress(name: str) -> None:
+            status.update(f"measured {name}")
+            if not sys.stderr.isatty():  # piped: rich shows no status, and a mode can take minutes
+                print(f"piecewise bench: measured {name}", file=sys.stderr, flush=True)
+
+        rows = bench.measure(model, calls, modes, rounds=options.rounds, progress=progress)
     if options.plot:
         bench.plot(rows, calls, options.plot, options.target)
     if options.json:

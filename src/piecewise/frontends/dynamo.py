@@ -19,7 +19,7 @@ import torch
 from .. import _compat
 from ..capture.compilers import make_compiler
 from ..capture.state import STATE_CHANGE
-from ..errors import CaptureFailed, ForwardRefused, StateChanged
+from ..errors import CaptureFailed, ForwardRefused, StateChanged, first_line
 from ..graph.guards import token_guard_failures
 from ..graph.stack import node_stack
 from ..graph.split import eager_higher_order
@@ -104,6 +104,14 @@ class DynamoFrontend:
                 f"the argument types and Python values it was captured with, or compile a separate runner for each "
                 f"variant"
             ) from None
+        except (*_compat.TRACE_ERROR, ForwardRefused) as exc:
+            if self.state.preparing or (isinstance(exc, ForwardRefused) and not getattr(exc, "at_trace", False)):
+                raise
+            # A trace after the first call failed on this call's padded rows (a per-token tensor the forward reads
+            # from outside its arguments, sized at the first call), or the backend refused it (a branch on the
+            # count): nothing ran, the model's own forward serves the call.
+            raise StateChanged(f"the model was traced again after the first call ({self.describe_change()}) and that "
+                               f"trace cannot serve padded calls ({first_line(exc, 200).removeprefix('piecewise: ')})") from None
         if self.traced_in_call:
             self.stats.traces += 1
         self.stats.replays += self.state.replays - replays

@@ -217,6 +217,7 @@ class ForwardTracer:
         except _compat.BackendCompilerFailed as exc:
             inner = getattr(exc, "inner_exception", None)
             if isinstance(inner, (ForwardRefused, CaptureFailed)):  # piecewise's own message: no Dynamo wrapping
+                inner.at_trace = True  # raised by the backend, while Dynamo traced: nothing of the forward ran
                 raise inner from None
             raise
         self.first_trace_done = True

@@ -21,12 +21,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.outputs import output_tensors
 from ..capture.state import Call, Phase, probe_call
 from ..frontends.user_frames import chain_text, user_chain
+from ..errors import CaptureFailed, ForwardRefused, first_line
 from ..stored import values
 from .model_state import model_state
 
 CAUSES = ("Typical causes: a host-side decision frozen at capture (Python reading a value, a kernel configuration "
           "chosen from the token count), an op that reads per-call metadata and is not a splitting op (it was "
           "captured with the capture's metadata), or padding rows reaching code that combines tokens.")
+
+
+_PIECEWISE_ERRORS = (ForwardRefused, CaptureFailed)
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -178,7 +182,17 @@ def _verify(runner: Any, example: dict[str, Any], sizes: list[int] | None,
             tried = token_counts(ladder, size)
             for tokens in tried:
                 inputs = make(tokens)
-                errors = _compare(runner, inputs, static, saved)
+                try:
+                    errors = _compare(runner, inputs, static, saved)
+                except (IndexError, RuntimeError, ValueError) as exc:
+                    if make_inputs is not None or isinstance(exc, _PIECEWISE_ERRORS):
+                        raise
+                    raise ValueError(
+                        f"verify: the model fails on the inputs verify made for {tokens} tokens ({first_line(exc)}). "
+                        f"verify makes each capture size's inputs from the example call's; where the forward reads "
+                        f"what it cannot make (metadata in a global forward context, rows counted in an object "
+                        f"argument), pass make_inputs=lambda num_tokens: ... that returns (and sets up) a call of "
+                        f"that many tokens") from exc
                 for what, (error, allowed) in errors.items():
                     tol = max(tol, allowed)
                     if not error <= worst_error:  # NaN included
