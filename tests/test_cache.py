@@ -216,3 +216,36 @@ def test_the_entry_records_the_dynamo_candidate_that_took_the_forward(tmp_path):
     (entry,) = [json.loads(p.read_text()) for p in (tmp_path / "entries").glob("*.json")]
     assert entry["options"] == {"on_blocker": "break"}
     assert runner.stats["cache"] == "hit"  # the second first call took the recorded candidate
+
+
+_SCALE = torch.rand(8)
+
+
+class _OneTokenPath(torch.nn.Module):
+    """Dynamo's trace holds for more than one token (calls of 1 padded to 2), so with eager pieces the search moves
+    on to breakable, which refuses the forward (a global tensor it would freeze): Dynamo is taken after all."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if h.shape[0] == 1:
+            h = h * 1.0
+        return h * _SCALE
+
+
+def test_a_recorded_front_end_the_search_came_back_to_is_taken_again(tmp_path):
+    """The recorded Dynamo candidate, tried first in a later process, was left again for breakable (whose refusal
+    then ended the first call): the cache records where the search ended, not a step to retake."""
+    outcomes = []
+    for _ in range(2):
+        model = _OneTokenPath()
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, compiler="eager", cache_dir=tmp_path))
+        x = torch.randn(3, 8)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(runner(x), model(x))
+        outcomes.append((runner.stats["cache"], runner.stats["frontend"]))
+    assert outcomes == [("miss", "dynamo"), ("hit", "dynamo")]

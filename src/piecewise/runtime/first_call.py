@@ -170,7 +170,8 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
             clock.lap("padding check")
             check_one_token(core, arguments)
             clock.lap("one-token check")
-            if core.ladder.notes and core.config.compiler == "eager" and not last:
+            # (Not the cache's candidate: the search that recorded it moved on from here and came back.)
+            if core.ladder.notes and core.config.compiler == "eager" and not last and candidate is not recorded:
                 reasons.append(f"breakable, which serves every size: with compiler='eager' Dynamo's trace gains "
                                f"nothing, and there {core.ladder.notes[0]}")
                 logger.info("piecewise: %s", reasons[-1])
