@@ -19,7 +19,7 @@ import torch
 from .. import _compat
 from ..capture.compilers import make_compiler
 from ..capture.state import STATE_CHANGE
-from ..errors import CaptureFailed, ForwardRefused, StateChanged, first_line
+from ..errors import CaptureFailed, ForwardRefused, StateChanged
 from ..graph.guards import token_guard_failures
 from ..graph.stack import node_stack
 from ..graph.split import eager_higher_order
@@ -28,7 +28,7 @@ from ..graph.writes import accumulates, describe_write, writes_to_inputs
 from ..opaque import op_name, resolve_splitting_ops
 from .base import Parts, register
 from .dynamo_graph import GraphRunner
-from .dynamo_trace import ForwardTracer, soften, state_guard_refusal
+from .dynamo_trace import ForwardTracer, soften, state_guard_refusal, trace_failure
 
 logger = logging.getLogger(__name__)
 
@@ -92,26 +92,11 @@ class DynamoFrontend:
         except StateChanged:
             self.stats.traces += self.traced_in_call  # the new trace stays (Dynamo's cache): counted
             raise
-        except _compat.RECOMPILE_LIMIT:
-            change = self.describe_change()
-            if change == STATE_CHANGE:
-                raise state_guard_refusal(self.tracer.method) from None
-            if not self.state.preparing:  # raised before the frame ran: the model's own forward serves the call
-                raise StateChanged(f"the model was traced again for calls like this one until Dynamo's recompile "
-                                   f"limit ({change})") from None
-            raise ValueError(
-                f"piecewise: the model was traced again until Dynamo's recompile limit ({change}): call it with "
-                f"the argument types and Python values it was captured with, or compile a separate runner for each "
-                f"variant"
-            ) from None
-        except (*_compat.TRACE_ERROR, ForwardRefused) as exc:
-            if self.state.preparing or (isinstance(exc, ForwardRefused) and not getattr(exc, "at_trace", False)):
+        except (*_compat.RECOMPILE_LIMIT, *_compat.TRACE_ERROR, ForwardRefused) as exc:
+            failure = trace_failure(exc, self.describe_change, self.state.preparing, self.tracer.method)
+            if failure is None:
                 raise
-            # A trace after the first call failed on this call's padded rows (a per-token tensor the forward reads
-            # from outside its arguments, sized at the first call), or the backend refused it (a branch on the
-            # count): nothing ran, the model's own forward serves the call.
-            raise StateChanged(f"the model was traced again after the first call ({self.describe_change()}) and that "
-                               f"trace cannot serve padded calls ({first_line(exc, 200).removeprefix('piecewise: ')})") from None
+            raise failure from None
         if self.traced_in_call:
             self.stats.traces += 1
         self.stats.replays += self.state.replays - replays

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..capture.state import STATE_CHANGE
 from ..diagnostics.blockers import blockers_from_exception, find_blockers
-from ..errors import CaptureBlockedError, CaptureFailed, ForwardRefused
+from ..errors import CaptureBlockedError, CaptureFailed, ForwardRefused, StateChanged, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,27 @@ def state_guard_refusal(method: Any) -> ForwardRefused:
         "forward's Python as written.",
         "state_guard", [traceback.FrameSummary(*frame)] if frame else [],
     )
+
+
+def trace_failure(exc: Exception, describe_change: Callable[[], str], preparing: bool, method: Any) -> Exception | None:
+    """What a failed trace raises to the runtime, or None for ``exc`` as it is. Past the first call nothing of the
+    forward ran when Dynamo's recompile limit is hit, a trace fails on the call's padded rows (a per-token tensor read
+    from a global, sized at a one-token first call) or the backend refuses it (a branch on the count): the
+    ``StateChanged`` it becomes sends the call to the model's own forward."""
+    if isinstance(exc, _compat.RECOMPILE_LIMIT):
+        change = describe_change()
+        if change == STATE_CHANGE:
+            return state_guard_refusal(method)
+        if not preparing:
+            return StateChanged(f"the model was traced again for calls like this one until Dynamo's recompile limit "
+                                f"({change})")
+        return ValueError(f"piecewise: the model was traced again until Dynamo's recompile limit ({change}): call it "
+                          f"with the argument types and Python values it was captured with, or compile a separate "
+                          f"runner for each variant")
+    if preparing or (isinstance(exc, ForwardRefused) and not getattr(exc, "at_trace", False)):
+        return None
+    return StateChanged(f"the model was traced again after the first call ({describe_change()}) and that trace cannot "
+                        f"serve padded calls ({first_line(exc, 200)})")
 
 
 class _QuietRecompileLimit(logging.Filter):
