@@ -25,18 +25,6 @@ def _sizes(text: str, what: str) -> list[int]:
     return sizes
 
 
-def _call_tokens(model, args: tuple, kwargs: dict) -> int:
-    """A factory call's tokens as the runner counts them ([1, T] ids batch-first: T)."""
-    from piecewise.runtime.arguments import call_tokens
-
-    try:
-        return call_tokens(model, args, kwargs)
-    except Exception:  # noqa: BLE001 - the runner's own first call reports what is wrong with the arguments
-        import torch
-
-        return next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
-
-
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
@@ -103,6 +91,7 @@ def run_bench(options: argparse.Namespace) -> int:
 
     from . import bench
     from .integrations.transformers import TokenModel, enable
+    from .runtime.arguments import guess_tokens
 
     if calls_of == "checkpoint":
         model = TokenModel(enable(model_source))
@@ -121,7 +110,7 @@ def run_bench(options: argparse.Namespace) -> int:
             args, kwargs = (inputs, {}) if not isinstance(inputs, tuple) or len(inputs) != 2 or \
                 not isinstance(inputs[1], dict) else inputs
             args = args if isinstance(args, tuple) else (args,)
-            count = n or _call_tokens(model, args, kwargs)
+            count = n or guess_tokens(model, args, kwargs)  # [1, T] ids: T, as the runner counts them
             calls.append(bench.Call(f"{count} tokens", count, args, kwargs))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA: no graphs)"
     meta = {"target": options.target, "torch": torch.__version__, "device": device,

@@ -228,7 +228,9 @@ def _doctor(model: Any, args: tuple, kwargs: dict) -> DoctorReport:
     if first is not None and first.shape[:1] == (1,) and first.dim() >= 3 and first.shape[1] > 1 and \
             first.is_floating_point():  # embeddings [1, T, H] (ids [1, T] are taken batch-first by the runtime)
         return DoctorReport(blockers=[_batch_first(model, first)])
-    tokens = _token_count(model, args, kwargs)
+    from .runtime.arguments import guess_tokens
+
+    tokens = guess_tokens(model, args, kwargs)
     metadata = _MetadataOps(tokens)
     counts = opaque_call_counts()
     with torch.no_grad(), remembered():  # the trace's blockers, found once for the trials too
@@ -284,16 +286,6 @@ def _auto_trial(model: Any, args: tuple, kwargs: dict, dynamo_blocked: bool,
         return auto_trial(model, args, kwargs, dynamo_blocked, breakable)
     except Exception as exc:  # noqa: BLE001 - e.g. a Dynamo error: as a blocker, compile would raise it too
         return None, "", blockers_from_exception(exc, root_file=_source_file(model))
-
-
-def _token_count(model: Any, args: tuple, kwargs: dict) -> int | None:
-    """The call's tokens as the runtime counts them (ids [1, n] batch-first: n), or None where it cannot tell."""
-    from .runtime.arguments import call_tokens
-
-    try:
-        return call_tokens(model, args, kwargs)
-    except Exception:  # noqa: BLE001 - the runner's own first call reports what is wrong with the arguments
-        return next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
 
 
 def _batch_first(model: Any, first: torch.Tensor) -> Blocker:

@@ -135,9 +135,10 @@ def generate_stream(model: nn.Module, prompts: Sequence[torch.Tensor], max_new_t
                              f"{getattr(prompt, 'shape', type(prompt).__name__)}")
         if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
             raise ValueError(f"prompt {i} holds {prompt.dtype} values: token ids are integers (torch.long)")
-        if vocab is not None and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab):
-            raise ValueError(f"prompt {i} holds token id {int(prompt.min()) if int(prompt.min()) < 0 else int(prompt.max())}"
-                             f", outside the model's vocabulary of {vocab} (ids 0 to {vocab - 1})")
+        low, high = (int(prompt.min()), int(prompt.max())) if vocab is not None else (0, 0)
+        if low < 0 or (vocab is not None and high >= vocab):
+            raise ValueError(f"prompt {i} holds token id {low if low < 0 else high}, outside the model's vocabulary "
+                             f"of {vocab} (ids 0 to {vocab - 1})")
     if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
         raise ValueError(f"sampling settings out of range: temperature {temperature} (0 is greedy, more samples), "
                          f"top_p {top_p} (in (0, 1]), top_k {top_k} (1 or more); None leaves top_p / top_k out")

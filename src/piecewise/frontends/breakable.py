@@ -43,7 +43,6 @@ class BreakableFrontend:
     """Runs the model's Python per size under capture; replays the recorded segments and calls."""
 
     name = "breakable"
-    """The model's own Python runs at each size's capture, so only the first size needs a padded run before it."""
     runs_every_size = True
     """Each capture size runs the forward's Python once at the first call (on a CPU too): paths that depend on the
     token count show there."""

@@ -40,9 +40,6 @@ class DynamoFrontend:
     ``on_blocker``: what Python Dynamo cannot trace does to the trace (``ForwardTracer``)."""
 
     name = "dynamo"
-    """Only the first captured size runs padded before its capture; a size whose capture fails without it (a
-    kernel that tunes on its first run at that size) runs padded and captures again (``capture_sizes``). The
-    pieces are compiled once for the symbolic token count, so their kernels are built and tuned at the first size."""
     runs_every_size = False
     """One trace serves every size: its guards say where the forward depends on the token count."""
     replays_python = True

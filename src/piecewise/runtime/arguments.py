@@ -324,6 +324,15 @@ def call_tokens(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     return binder.token_count(binder.take(tuple(args), dict(kwargs)))
 
 
+def guess_tokens(model: Any, args: tuple, kwargs: dict) -> int | None:
+    """``call_tokens``, or where the runner's binding fails on these arguments (its own first call reports why) the
+    rows of the first tensor argument; None without one."""
+    try:
+        return call_tokens(model, args, kwargs)
+    except Exception:  # noqa: BLE001 - the runner's own first call reports what is wrong with the arguments
+        return next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+
+
 def other_token_dims(taken: Arguments, arguments: dict[str, Any], tokens: int) -> str:
     """A hint naming the static tensor arguments with a dimension past the first as long as the call's tokens
     (vLLM's M-RoPE positions [3, T]): likely token arguments in another layout."""

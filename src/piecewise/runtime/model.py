@@ -18,8 +18,7 @@ from ..capture.buffers import direct_tokens
 from ..capture.segment import runner_call
 from ..capture.state import Call, Phase
 from ..config import CaptureConfig
-from ..errors import (BlockerKind, CaptureBlockedError, CaptureFailed, CaptureOutOfMemory, FakeMismatch, StateChanged,
-                      ForwardRefused, VerificationError, first_line)
+from ..errors import REFUSALS, BlockerKind, ForwardRefused, StateChanged, first_line
 from ..opaque import resolve_splitting_ops
 from . import first_call, search
 from .core import Core
@@ -132,7 +131,7 @@ class PiecewiseModel(Core):
         except (ValueError, TypeError, IndexError, RuntimeError) as exc:  # the model's own error on rows piecewise made
             note = self.arguments.taken_note()
             if not note or min(self.arguments.first_shapes.get(n, (0,))[0] for n in self.arguments.dynamic) != 1 \
-                    or isinstance(exc, _PIECEWISE_ERRORS):
+                    or isinstance(exc, REFUSALS):
                 raise
             raise ForwardRefused(f"piecewise: the first call failed: {first_line(exc)}.{note}", "token_layout",
                                  []) from exc
@@ -233,7 +232,6 @@ def compile(
     return PiecewiseModel(model, config if config is not None else CaptureConfig(), dynamic)
 
 
-_PIECEWISE_ERRORS = (CaptureBlockedError, CaptureFailed, CaptureOutOfMemory, FakeMismatch, VerificationError)
 _ABOUT_ROWS = {BlockerKind.TOKEN_MIXING, BlockerKind.TOKEN_BRANCH, BlockerKind.TOKEN_LAYOUT}
 """Refusals about which rows are tokens: where ids were taken batch-first, the other reading is worth naming."""
 

@@ -21,16 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..capture.outputs import output_tensors
 from ..capture.state import Call, Phase, probe_call
 from ..frontends.user_frames import chain_text, user_chain
-from ..errors import CaptureFailed, ForwardRefused, first_line
+from ..errors import REFUSALS, first_line
 from ..stored import values
 from .model_state import model_state
 
 CAUSES = ("Typical causes: a host-side decision frozen at capture (Python reading a value, a kernel configuration "
           "chosen from the token count), an op that reads per-call metadata and is not a splitting op (it was "
           "captured with the capture's metadata), or padding rows reaching code that combines tokens.")
-
-
-_PIECEWISE_ERRORS = (ForwardRefused, CaptureFailed)
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -185,7 +182,7 @@ def _verify(runner: Any, example: dict[str, Any], sizes: list[int] | None,
                 try:
                     errors = _compare(runner, inputs, static, saved)
                 except (IndexError, RuntimeError, ValueError) as exc:
-                    if make_inputs is not None or isinstance(exc, _PIECEWISE_ERRORS):
+                    if make_inputs is not None or isinstance(exc, REFUSALS):
                         raise
                     raise ValueError(
                         f"verify: the model fails on the inputs verify made for {tokens} tokens ({first_line(exc)}). "
