@@ -66,6 +66,8 @@ class CaptureState:
     """Storages of the model's parameters and buffers and of its static arguments."""
     stable_ptrs: set[int] = field(default_factory=set)
     """Addresses that never move: parameters, buffers, static arguments, piecewise's input buffers."""
+    outside_reads: list[Any] = field(default_factory=list)
+    """Tensors captured custom ops read from outside their arguments (``runtime/op_reads.py``)."""
     buffer_storages: set[int] = field(default_factory=set)
     """Storages of the splitting calls' output buffers (outside the graph pool)."""
     token_outputs: dict[int, int | None] = field(default_factory=dict)

@@ -22,6 +22,9 @@ class Stats(MutableMapping):
     """Splitting-op calls in the last call."""
     eager_writes: int = 0
     """In-place writes into static tensors cut out of the pieces and run between them (Dynamo)."""
+    outside_reads: list[str] = field(default_factory=list)
+    """Tensors a custom op captured into a graph reads that are not among its arguments (a global forward
+    context): the graphs read them where they were at capture; a call finding one freed runs eagerly."""
     capture_sizes: list[int] = field(default_factory=list)
     """Token counts that get graphs."""
     size_notes: list[str] = field(default_factory=list)

@@ -26,6 +26,7 @@ from .bounds import drop_sizes_out_of_range
 from .capture_sizes import capture_all, out_of_memory
 from .checks import (ModuleState, RandomState, check_one_token, check_padding, refuse_if_rows_refused,
                      warn_changed_state)
+from . import op_reads
 from .core import Core
 from .count_check import check_count
 from .full_graphs import check_full_padding
@@ -187,7 +188,13 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
                 check_full_padding(core.full, arguments, tokens)
                 clock.lap("full-graph check")
             if use_graphs or core.frontend.runs_every_size:
-                capture_all(core, arguments, graphs=use_graphs)
+                if use_graphs:  # what custom ops read that their graphs keep (``op_reads``)
+                    with (watch := op_reads.watching(core.model, resolve_splitting_ops(core.config.splitting_ops))):
+                        capture_all(core, arguments, graphs=True)
+                    core.state.outside_reads = op_reads.settle(watch)
+                    core.stats.outside_reads = [str(read) for read in core.state.outside_reads]
+                else:
+                    capture_all(core, arguments, graphs=False)
                 clock.lap("capture")
             if core.frontend.runs_every_size:
                 check_count(core, arguments)

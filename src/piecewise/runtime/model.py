@@ -20,7 +20,7 @@ from ..capture.state import Call, Phase
 from ..config import CaptureConfig
 from ..errors import REFUSALS, BlockerKind, ForwardRefused, StateChanged, first_line
 from ..opaque import resolve_splitting_ops
-from . import first_call, search
+from . import first_call, op_reads, search
 from .core import Core
 from .layout import inner
 from .verify import VerifyReport, verify
@@ -85,6 +85,9 @@ class PiecewiseModel(Core):
             full = self.full.bucket(tokens) if self.full.sizes else None
             size = full if full is not None else self.ladder.bucket(tokens)
             try:
+                if self.state.outside_reads and self.state.graphs_enabled and \
+                        (gone := op_reads.freed(self.state.outside_reads)) is not None:
+                    raise StateChanged(op_reads.freed_message(gone))
                 if full is not None:
                     self.stats.full_calls += 1
                     output = self.full.run(arguments, tokens, full)

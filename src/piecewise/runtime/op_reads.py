@@ -1,0 +1,166 @@
+"""Tensors a custom op captured into a graph reads from outside its arguments, and the check that they still exist.
+
+An op made with ``torch.library`` (not a splitting op) is captured with the pieces around it: its Python runs once,
+at capture, and the graph keeps the addresses of whatever its kernel read. An op that takes per-call data from a
+global (vLLM's KV-cache update reading ``slot_mapping`` from the forward context) has it frozen at the first call's
+tensor: where the engine makes a new tensor every step, replays read the first one, or freed memory, and write the
+wrong slots. No front-end's trace sees inside such an op (Dynamo keeps it opaque; breakable's dispatch mode is off
+while an op runs), so piecewise looks while capturing: a dispatch mode around the captures runs each custom op's
+kernel below itself with a second mode on the stack, which notes every tensor the op's own ops read that is not
+among its arguments, not made inside it, not made by the forward, and not a parameter or buffer.
+
+Each is held by a weak reference to its base tensor (a view of a persistent buffer stays alive with the buffer).
+A later call finding one freed runs the model's own forward, with one warning: the graphs would read freed memory.
+Not seen: an op whose kernel is not Python over torch ops (a C++ or Triton kernel reads what it is handed), and a
+replaced tensor the caller keeps alive elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from functools import reduce
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..frontends.breakable_outside import op_leaves
+from ..frontends.user_frames import chain_text, user_chain
+
+logger = logging.getLogger(__name__)
+
+_BUILTIN = frozenset({"aten", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d", "profiler",
+                      "_dtensor", "inductor", "higher_order", "debugprims", "rngprims", "_quantized"})
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
+@dataclass
+class OutsideRead:
+    """A tensor a captured custom op read that is not among its arguments."""
+
+    op: str
+    where: str
+    shape: tuple
+    dtype: torch.dtype
+    base: weakref.ref
+
+    def __str__(self) -> str:
+        return f"`{self.op}` at {self.where} reads a {tuple(self.shape)} {str(self.dtype).replace('torch.', '')} tensor"
+
+
+def freed_message(read: OutsideRead) -> str:
+    return (f"piecewise: {read} that is not among its arguments (a global: an engine's forward context, a table), "
+            f"and that tensor has been freed since the first call. The op ran once, while its CUDA graph captured, "
+            f"and the graph reads the tensor where it was then, so it would read freed memory (the caller made a new "
+            f"tensor). This call and later ones run the model's own forward, without graphs. Pass the tensor to the op "
+            f"as an argument, keep it in one buffer filled in place on every call (as vLLM's persistent metadata "
+            f"buffers are), or make the op a splitting op (CaptureConfig(splitting_ops=[...])), which runs every "
+            f"call.")
+
+
+def freed(reads: list[OutsideRead]) -> OutsideRead | None:
+    """The first read whose tensor is gone."""
+    return next((read for read in reads if read.base() is None), None)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    if type(tensor) not in _PLAIN or tensor.is_meta:
+        return None
+    return tensor.untyped_storage().data_ptr()
+
+
+class Watch(TorchDispatchMode):
+    """Around the captures (``watching``): sees every op the forward runs, notes what it made, and runs custom ops
+    captured into a graph under ``_Inside``."""
+
+    def __init__(self, known: set[int], splitting: frozenset[str]):
+        super().__init__()
+        self.known, self.splitting = known, splitting
+        self.reads: dict[int, OutsideRead] = {}
+        self.custom: dict[Any, bool] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled code keeps running compiled (and Dynamo marks no frame to be skipped)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        custom = self.custom.get(func)
+        if custom is None:
+            custom = self.custom[func] = isinstance(func, torch._ops.OpOverload) and \
+                func.namespace not in _BUILTIN and func._schema.name not in self.splitting
+        if custom and _capturing():
+            result = self._inside(func, args, kwargs)
+        else:
+            result = func(*args, **kwargs)
+        self._made(result)
+        return result
+
+    def _made(self, result: Any) -> None:
+        for value in op_leaves(result):
+            if isinstance(value, torch.Tensor) and (pointer := _storage(value)) is not None:
+                self.known.add(pointer)
+
+    def _inside(self, func, args: tuple, kwargs: dict) -> Any:
+        tensors = [v for v in op_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        if not tensors:
+            return func(*args, **kwargs)
+        # The op's kernel, below the Python key: its own ops then dispatch anew, through ``_Inside``.
+        keys = reduce(lambda a, b: a | b, (torch._C._dispatch_keys(t) for t in tensors))
+        below = keys & torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+        inside = _Inside(self, func._schema.name, {p for t in tensors if (p := _storage(t)) is not None})
+        with inside:
+            return func.redispatch(below, *args, **kwargs)
+
+
+class _Inside(TorchDispatchMode):
+    """While one custom op's kernel runs: each tensor its ops read that the op was not handed nor made."""
+
+    def __init__(self, watch: Watch, op: str, handed: set[int]):
+        super().__init__()
+        self.watch, self.op, self.local = watch, op, handed
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in op_leaves((args, kwargs)):
+            if isinstance(value, torch.Tensor) and (pointer := _storage(value)) is not None \
+                    and pointer not in self.local and pointer not in self.watch.known:
+                self._note(value)
+                self.local.add(pointer)
+        result = func(*args, **kwargs)
+        for value in op_leaves(result):
+            if isinstance(value, torch.Tensor) and (pointer := _storage(value)) is not None:
+                self.local.add(pointer)
+        return result
+
+    def _note(self, tensor: torch.Tensor) -> None:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in self.watch.reads:
+            where = chain_text(user_chain()[-1:]) or "an unknown line"
+            self.watch.reads[id(base)] = OutsideRead(self.op, where, tuple(tensor.shape), tensor.dtype,
+                                                     weakref.ref(base))
+
+
+def watching(model: torch.nn.Module, splitting: frozenset[str]) -> Watch:
+    """The mode to enter around the captures (parameters and buffers are the model's: they are known)."""
+    known = {p for t in [*model.parameters(), *model.buffers()] if (p := _storage(t)) is not None}
+    return Watch(known, splitting)
+
+
+def settle(watch: Watch) -> list[OutsideRead]:
+    """What the captures read from outside, logged once."""
+    reads = list(watch.reads.values())
+    for read in reads:
+        logger.info("piecewise: %s that is not among its arguments; its graphs read it where it is now (a later call "
+                    "finding it freed runs the model's own forward)", read)
+    return reads
