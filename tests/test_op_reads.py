@@ -95,3 +95,68 @@ def test_outside_a_capture_nothing_is_watched():
     with torch.inference_mode(), watch:
         out = model(torch.randn(3, 4))
     assert op_reads.settle(watch) == [] and out.shape == (3, 4)
+
+
+# A KV-cache write as its own custom op that declares no write (``mutates_args=()``) and whose result goes unused:
+# a compiler removes it from a piece as dead code, so it must run eagerly between the pieces.
+SLOTS: dict[str, torch.Tensor] = {}
+CACHES: dict[str, torch.Tensor] = {}
+
+
+@torch.library.custom_op("piecewise_reads::write_undeclared", mutates_args=())
+def write_undeclared(key: torch.Tensor, layer: str) -> torch.Tensor:
+    cache = CACHES[layer]
+    slots = SLOTS["slots"][: key.shape[0]]  # -1 past the real tokens: padding rows keep the spare row as it is
+    keep = slots >= 0
+    index = torch.where(keep, slots, cache.shape[0] - 1)
+    cache.index_copy_(0, index, torch.where(keep[:, None], key, cache[index]))
+    return key.new_empty(0)
+
+
+@write_undeclared.register_fake
+def _(key, layer):
+    return key.new_empty(0)
+
+
+@piecewise.opaque_op("piecewise_reads::read_cache", mutates_args=(), split=True)
+def read_cache(query: torch.Tensor, layer: str) -> torch.Tensor:
+    cache = CACHES[layer][: SLOTS["length"]]
+    return (query @ cache.T).softmax(-1) @ cache
+
+
+class UndeclaredWrite(torch.nn.Module):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.names = [f"{prefix}.{i}" for i in range(2)]
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in self.names)
+
+    def forward(self, x):
+        for name, proj in zip(self.names, self.proj):
+            key = proj(x)
+            torch.ops.piecewise_reads.write_undeclared(key, name)  # the result is not used
+            x = x + read_cache(key, name)
+        return x
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_custom_op_that_writes_without_declaring_it_is_not_dropped_by_inductor(frontend):
+    torch.manual_seed(0)
+    model, eager = UndeclaredWrite(f"compiled.{frontend}"), UndeclaredWrite(f"eager.{frontend}")
+    eager.load_state_dict(model.state_dict())
+    for name in model.names + eager.names:
+        CACHES[name] = torch.zeros(32, 8)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4], compiler="inductor",
+                                                              frontend=frontend, cache_dir=None))
+    start = 0
+    with torch.no_grad():
+        for tokens in (1, 1, 3, 2, 1):
+            x = torch.randn(tokens, 8)
+            slots = torch.full((8,), -1)  # a new tensor each step, as an engine makes one
+            slots[:tokens] = torch.arange(start, start + tokens)
+            SLOTS.update(slots=slots, length=start + tokens)
+            want, got = eager(x), runner(x)
+            torch.testing.assert_close(got, want, msg=lambda m: f"a call of {tokens} after {start}: {m}")
+            for a, b in zip(model.names, eager.names):
+                torch.testing.assert_close(CACHES[a], CACHES[b], msg=lambda m: f"the cache after {start}: {m}")
+            start += tokens
+    assert runner.stats.eager_writes >= 2, runner.stats  # both layers' writes run between the pieces

@@ -22,7 +22,7 @@ from ..capture.state import STATE_CHANGE
 from ..errors import CaptureFailed, ForwardRefused, StateChanged
 from ..graph.guards import token_guard_failures
 from ..graph.stack import node_stack
-from ..graph.split import eager_higher_order
+from ..graph.split import eager_higher_order, unused_custom_ops
 from ..graph.tokens import is_token_tensor, node_place, token_mixing_nodes, user_line
 from ..graph.writes import accumulates, describe_write, writes_to_inputs
 from ..opaque import op_name, resolve_splitting_ops
@@ -379,6 +379,7 @@ def static_writes(graph: torch.fx.GraphModule, token_inputs: list, splitting: fr
             )
         eager[writer] = f"{what} into {target}" + (f" ({where})" if where else "")
     eager.update(eager_higher_order(graph))
+    eager.update(unused_custom_ops(graph, splitting))
     if eager:
         logger.info(
             "piecewise: %d in-place write(s) into static tensors run eagerly between pieces, on the real rows "

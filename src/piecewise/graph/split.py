@@ -13,6 +13,11 @@ from torch.fx.passes.split_module import split_module
 from ..opaque import op_name
 from .tokens import user_line
 
+BUILTIN_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d",
+                                "profiler", "_dtensor", "inductor", "higher_order", "debugprims", "rngprims",
+                                "_quantized"})
+"""torch's own op namespaces; an op of any other is a custom op (``torch.library``, a C++ extension)."""
+
 EAGER_HIGHER_ORDER = frozenset({"cond", "while_loop", "map"})
 """Higher-order ops whose branch or trip count comes from device values: no CUDA graph can hold them."""
 
@@ -83,4 +88,22 @@ def eager_higher_order(graph: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
                 and node.target.name() in EAGER_HIGHER_ORDER:
             where = user_line(node)
             found[node] = f"torch.{node.target.name()}" + (f" ({where})" if where else "")
+    return found
+
+
+def unused_custom_ops(graph: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> dict[torch.fx.Node, str]:
+    """Custom-op nodes whose results go unused and whose schema declares no write → a label each: they run eagerly
+    between the pieces. Such an op is called for what it does, not what it returns (a KV-cache write that declares
+    nothing, as a schema with ``mutates_args=()`` over a cache it looks up by name); a compiler would remove it from
+    a piece as dead code, and the model's state would go unwritten."""
+    found = {}
+    for node in graph.graph.nodes:
+        name = op_name(node.target) if node.op == "call_function" else None
+        if name is None or node.users or name in splitting_ops or name.partition("::")[0] in BUILTIN_NAMESPACES:
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            continue  # a declared write: the write checks decide where it runs
+        where = user_line(node)
+        found[node] = f"`{name}`, whose result goes unused" + (f" ({where})" if where else "")
     return found

@@ -28,11 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..frontends.breakable_outside import op_leaves
 from ..frontends.user_frames import chain_text, user_chain
+from ..graph.split import BUILTIN_NAMESPACES
 
 logger = logging.getLogger(__name__)
 
-_BUILTIN = frozenset({"aten", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d", "profiler",
-                      "_dtensor", "inductor", "higher_order", "debugprims", "rngprims", "_quantized"})
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
@@ -79,6 +78,8 @@ class Watch(TorchDispatchMode):
     """Around the captures (``watching``): sees every op the forward runs, notes what it made, and runs custom ops
     captured into a graph under ``_Inside``."""
 
+    supports_higher_order_operators = True  # torch.cond and the like pass through as they are
+
     def __init__(self, known: set[int], splitting: frozenset[str]):
         super().__init__()
         self.known, self.splitting = known, splitting
@@ -94,7 +95,7 @@ class Watch(TorchDispatchMode):
         custom = self.custom.get(func)
         if custom is None:
             custom = self.custom[func] = isinstance(func, torch._ops.OpOverload) and \
-                func.namespace not in _BUILTIN and func._schema.name not in self.splitting
+                func.namespace not in BUILTIN_NAMESPACES and func._schema.name not in self.splitting
         if custom and _capturing():
             result = self._inside(func, args, kwargs)
         else:
@@ -121,6 +122,8 @@ class Watch(TorchDispatchMode):
 
 class _Inside(TorchDispatchMode):
     """While one custom op's kernel runs: each tensor its ops read that the op was not handed nor made."""
+
+    supports_higher_order_operators = True
 
     def __init__(self, watch: Watch, op: str, handed: set[int]):
         super().__init__()
