@@ -2,6 +2,7 @@
 with the capture flag set: the GPU tests (``tests/gpu/test_outside_tensors_gpu.py``) run it under real captures."""
 
 import gc
+import types
 
 import pytest
 import torch
@@ -57,19 +58,59 @@ def _clean_context():
     CONTEXT.clear()
 
 
-def test_a_global_read_inside_a_captured_custom_op_is_named_and_its_freeing_seen(monkeypatch):
+def test_a_global_read_inside_a_captured_custom_op_is_named_and_its_replacement_seen(monkeypatch):
     CONTEXT.update(table=torch.randn(8, 4), split=torch.randn(8, 4))
     reads = _watched(Reads(), torch.randn(3, 4), monkeypatch)
     assert len(reads) == 1, [str(r) for r in reads]  # not the op's arguments, its parameter, the splitting op's read
     text = str(reads[0])
     assert "`piecewise_reads::from_context`" in text and "(8, 4) float32" in text, text
     assert "test_op_reads.py" in text and 'CONTEXT["table"]' in text, text  # the op's own line
-    assert op_reads.freed(reads) is None
-    CONTEXT["table"] = torch.randn(8, 4)  # the engine's next step: a new tensor, the old one dropped
+    assert "held at `CONTEXT['table']`" in text, text
+    assert op_reads.stale(reads) is None
+    kept = CONTEXT["table"]  # the engine keeps last step's tensor alive (an overlapped scheduler)
+    CONTEXT["table"] = torch.randn(8, 4)
+    message = op_reads.stale(reads)
+    assert message is not None and "`CONTEXT['table']` now holds another tensor" in message, message
+    assert "splitting op" in message and "argument" in message and "own forward" in message, message
+    CONTEXT["table"] = kept  # put back: the graphs read it again
+    assert op_reads.stale(reads) is None
+    del kept
+    CONTEXT["table"] = torch.randn(8, 4)  # a new tensor, the old one dropped
     gc.collect()
-    assert op_reads.freed(reads) is reads[0]
-    message = op_reads.freed_message(reads[0])
-    assert "freed since the first call" in message and "splitting op" in message and "argument" in message
+    message = op_reads.stale(reads)
+    assert message is not None and "freed since the first call" in message, message
+
+
+FORWARD_CONTEXT = types.ModuleType("engine_forward_context")  # an engine's module, as vLLM's forward_context
+
+
+@torch.library.custom_op("piecewise_reads::from_module_context", mutates_args=())
+def from_module_context(x: torch.Tensor) -> torch.Tensor:
+    return x + FORWARD_CONTEXT.current.metadata.bias[: x.shape[0]]
+
+
+@from_module_context.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class ReadsModuleContext(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.piecewise_reads.from_module_context(x)
+
+
+def test_a_tensor_reached_through_an_engine_module_and_objects_is_followed_there(monkeypatch):
+    FORWARD_CONTEXT.current = types.SimpleNamespace(metadata=types.SimpleNamespace(bias=torch.randn(8, 4)))
+    reads = _watched(ReadsModuleContext(), torch.randn(3, 4), monkeypatch)
+    assert [r.path for r in reads] == [("FORWARD_CONTEXT", ("attr", "current"), ("attr", "metadata"),
+                                        ("attr", "bias"))], [str(r) for r in reads]
+    kept = FORWARD_CONTEXT.current
+    FORWARD_CONTEXT.current = None  # outside the engine's context: nothing to compare
+    assert op_reads.stale(reads) is None
+    FORWARD_CONTEXT.current = types.SimpleNamespace(metadata=types.SimpleNamespace(bias=torch.randn(8, 4)))
+    message = op_reads.stale(reads)
+    assert message is not None and "`FORWARD_CONTEXT.current.metadata.bias` now holds another tensor" in message
+    FORWARD_CONTEXT.current = kept
 
 
 def test_a_new_view_of_one_persistent_buffer_each_step_stays_alive(monkeypatch):
@@ -79,7 +120,7 @@ def test_a_new_view_of_one_persistent_buffer_each_step_stays_alive(monkeypatch):
     assert len(reads) == 1
     CONTEXT["table"] = buffer[:5]  # vLLM slices its persistent metadata buffers anew every step
     gc.collect()
-    assert op_reads.freed(reads) is None
+    assert op_reads.stale(reads) is None
 
 
 def test_a_tensor_the_forward_made_and_stashed_in_a_global_is_not_an_outside_read(monkeypatch):

@@ -148,7 +148,7 @@ def test_a_custom_op_reading_a_new_slot_mapping_from_the_forward_context_every_s
             start += tokens
     assert runner.stats.outside_reads and "kv_update_from_context" in runner.stats.outside_reads[0]
     assert runner.stats.eager_calls > 0
-    assert any("has been freed since the first call" in w and "kv_update_from_context" in w for w in warnings_seen)
+    assert any("kv_update_from_context" in w and "own forward" in w for w in warnings_seen), warnings_seen
 
 
 @pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
@@ -172,4 +172,4 @@ def test_a_custom_op_reading_a_persistent_slot_buffer_filled_in_place_is_replaye
                 torch.testing.assert_close(a.cache, b.cache)
             start += tokens
     assert runner.stats.eager_calls == 0 and runner.stats.replays > 0, (runner.stats, warnings_seen)
-    assert not any("freed" in w for w in warnings_seen)
+    assert not any("kv_update_from_context" in w for w in warnings_seen), warnings_seen

@@ -41,10 +41,16 @@ def _user_file(filename: str) -> bool:
 
 def innermost_user_line() -> tuple[str, int] | None:
     """(file, line) of the innermost model frame running now: ``user_chain()[-1]`` for every op of a run, cheaply."""
+    frame = innermost_user_frame()
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def innermost_user_frame():
+    """The innermost model frame running now (its globals are where a model keeps its own state), or None."""
     frame = sys._getframe(1)
     while frame is not None:
         if _user_file(frame.f_code.co_filename):
-            return frame.f_code.co_filename, frame.f_lineno
+            return frame
         frame = frame.f_back
     return None
 

@@ -86,8 +86,8 @@ class PiecewiseModel(Core):
             size = full if full is not None else self.ladder.bucket(tokens)
             try:
                 if self.state.outside_reads and self.state.graphs_enabled and \
-                        (gone := op_reads.freed(self.state.outside_reads)) is not None:
-                    raise StateChanged(op_reads.freed_message(gone))
+                        (why := op_reads.stale(self.state.outside_reads)) is not None:
+                    raise StateChanged(why)
                 if full is not None:
                     self.stats.full_calls += 1
                     output = self.full.run(arguments, tokens, full)

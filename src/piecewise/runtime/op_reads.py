@@ -9,16 +9,23 @@ while an op runs), so piecewise looks while capturing: a dispatch mode around th
 kernel below itself with a second mode on the stack, which notes every tensor the op's own ops read that is not
 among its arguments, not made inside it, not made by the forward, and not a parameter or buffer.
 
-Each is held by a weak reference to its base tensor (a view of a persistent buffer stays alive with the buffer).
-A later call finding one freed runs the model's own forward, with one warning: the graphs would read freed memory.
-Not seen: an op whose kernel is not Python over torch ops (a C++ or Triton kernel reads what it is handed), and a
-replaced tensor the caller keeps alive elsewhere.
+Each is held by a weak reference to its base tensor (a view of a persistent buffer stays alive with the buffer),
+and by where the op's module reaches it: a path from the globals of the frame that read it (``CTX["slots"]``,
+``forward_context._forward_context.attn_metadata.slot_mapping``; dicts, lists, objects' attributes, modules named
+there). A later call finding the tensor freed, or the path holding a tensor of another base, runs the model's own
+forward with one warning: the graphs would read freed memory, or the first call's values. Not seen: an op whose
+kernel is not Python over torch ops (a C++ or Triton kernel reads what it is handed), a tensor reached only through
+a function's locals or a closure that a caller replaces while keeping the old one alive, and Python numbers read
+from a global inside an op (they are frozen at capture as well).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import types
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -27,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..frontends.breakable_outside import op_leaves
-from ..frontends.user_frames import chain_text, user_chain
+from ..frontends.user_frames import chain_text, innermost_user_frame, user_chain
 from ..graph.split import BUILTIN_NAMESPACES
 
 logger = logging.getLogger(__name__)
@@ -44,24 +51,88 @@ class OutsideRead:
     shape: tuple
     dtype: torch.dtype
     base: weakref.ref
+    path: tuple = ()
+    """Where the op's module holds it: ``(name in roots, ("attr" | "item", key), ...)``; empty where not found."""
+    roots: dict | None = None
+    """The globals of the frame that read it."""
 
     def __str__(self) -> str:
-        return f"`{self.op}` at {self.where} reads a {tuple(self.shape)} {str(self.dtype).replace('torch.', '')} tensor"
+        held = f" (held at `{_path_text(self.path)}`)" if self.path else ""
+        return (f"`{self.op}` at {self.where} reads a {tuple(self.shape)} {str(self.dtype).replace('torch.', '')} "
+                f"tensor{held}")
 
 
-def freed_message(read: OutsideRead) -> str:
-    return (f"piecewise: {read} that is not among its arguments (a global: an engine's forward context, a table), "
-            f"and that tensor has been freed since the first call. The op ran once, while its CUDA graph captured, "
-            f"and the graph reads the tensor where it was then, so it would read freed memory (the caller made a new "
-            f"tensor). This call and later ones run the model's own forward, without graphs. Pass the tensor to the op "
-            f"as an argument, keep it in one buffer filled in place on every call (as vLLM's persistent metadata "
-            f"buffers are), or make the op a splitting op (CaptureConfig(splitting_ops=[...])), which runs every "
-            f"call.")
+def stale(reads: list[OutsideRead]) -> str | None:
+    """Why the graphs can no longer serve a call, where a tensor a captured op read is freed or replaced."""
+    for read in reads:
+        base = read.base()
+        if base is None:
+            what = "that tensor has been freed since the first call, so the graph would read freed memory"
+        elif read.path and isinstance(now := _resolve(read.roots, read.path), torch.Tensor) and \
+                (now._base if now._base is not None else now) is not base:
+            what = (f"`{_path_text(read.path)}` now holds another tensor, so the graph would read the first call's "
+                    f"values")
+        else:
+            continue
+        return (f"piecewise: {read} that is not among its arguments (a global: an engine's forward context, a table), "
+                f"and {what}: the op ran once, while its CUDA graph captured, and the graph reads the tensor it read "
+                f"then. This call and later ones run the model's own forward, without graphs. Pass the tensor to the "
+                f"op as an argument, keep it in one buffer filled in place on every call (as vLLM's persistent "
+                f"metadata buffers are), or make the op a splitting op (CaptureConfig(splitting_ops=[...])), which "
+                f"runs every call.")
+    return None
 
 
-def freed(reads: list[OutsideRead]) -> OutsideRead | None:
-    """The first read whose tensor is gone."""
-    return next((read for read in reads if read.base() is None), None)
+_MISSING = object()
+_SEARCHED = 5000
+"""Objects looked at, at most, to find where a read tensor is held (once per tensor, while capturing)."""
+
+
+def _held_at(roots: dict, base: torch.Tensor) -> tuple:
+    """The shortest path from ``roots`` (a frame's globals) to ``base`` or a view of it; () where none is found."""
+    queue = deque((value, (name,)) for name, value in list(roots.items()) if not name.startswith("__"))
+    seen: set[int] = set()
+    while queue and len(seen) < _SEARCHED:
+        value, path = queue.popleft()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if (value._base if value._base is not None else value) is base:
+                return path
+        elif len(path) < 6:
+            queue.extend((child, (*path, step)) for step, child in _children(value, top=len(path) == 1))
+    return ()
+
+
+def _children(value: Any, top: bool) -> list:
+    if isinstance(value, dict):
+        return [(("item", k), v) for k, v in list(value.items())[:256] if isinstance(k, (str, int))]
+    if isinstance(value, (list, tuple)):
+        return [(("item", i), v) for i, v in enumerate(value[:256])]
+    if isinstance(value, types.ModuleType):  # a module the op's module names: its globals, not the modules they name
+        root = value.__name__.partition(".")[0]
+        if not top or root in ("torch", "piecewise", "triton", "numpy") or root in sys.stdlib_module_names:
+            return []
+        return [(("attr", k), v) for k, v in list(vars(value).items()) if not k.startswith("__")]
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, str, bytes)):
+        return []
+    attributes = getattr(value, "__dict__", None)
+    return [(("attr", k), v) for k, v in list(attributes.items())] if isinstance(attributes, dict) else []
+
+
+def _resolve(roots: dict | None, path: tuple) -> Any:
+    try:
+        value = roots[path[0]]
+        for kind, key in path[1:]:
+            value = value[key] if kind == "item" else vars(value)[key]
+        return value
+    except Exception:  # noqa: BLE001 - not there now (a context set only around some calls): nothing to compare
+        return _MISSING
+
+
+def _path_text(path: tuple) -> str:
+    return path[0] + "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in path[1:])
 
 
 def _capturing() -> bool:
@@ -150,8 +221,10 @@ class _Inside(TorchDispatchMode):
         base = tensor._base if tensor._base is not None else tensor
         if id(base) not in self.watch.reads:
             where = chain_text(user_chain()[-1:]) or "an unknown line"
+            frame = innermost_user_frame()
+            roots = frame.f_globals if frame is not None else None
             self.watch.reads[id(base)] = OutsideRead(self.op, where, tuple(tensor.shape), tensor.dtype,
-                                                     weakref.ref(base))
+                                                     weakref.ref(base), _held_at(roots or {}, base), roots)
 
 
 def watching(model: torch.nn.Module, splitting: frozenset[str]) -> Watch:
