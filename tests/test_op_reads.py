@@ -201,3 +201,39 @@ def test_a_custom_op_that_writes_without_declaring_it_is_not_dropped_by_inductor
                 torch.testing.assert_close(CACHES[a], CACHES[b], msg=lambda m: f"the cache after {start}: {m}")
             start += tokens
     assert runner.stats.eager_writes >= 2, runner.stats  # both layers' writes run between the pieces
+
+
+REGISTRY: dict[str, torch.nn.Module] = {}
+
+
+@torch.library.custom_op("piecewise_reads::update_by_name", mutates_args=())
+def update_by_name(key: torch.Tensor, layer: str) -> torch.Tensor:
+    REGISTRY[layer].cache.index_copy_(0, SLOTS["slots"][: key.shape[0]], key)  # vLLM's lookup of its layer by name
+    return key.new_zeros(1)
+
+
+@update_by_name.register_fake
+def _(key, layer):
+    return key.new_zeros(1)
+
+
+class Registered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.cache = torch.zeros(32, 8)  # the model's own state, a plain attribute as vLLM's kv_cache
+        REGISTRY["doctor.0"] = self
+
+    def forward(self, x):
+        key = self.proj(x)
+        written = torch.ops.piecewise_reads.update_by_name(key, "doctor.0")
+        return x + key * written.sum()
+
+
+def test_the_doctor_names_a_custom_op_reading_per_call_metadata_from_a_global_and_where_it_is_held():
+    SLOTS.update(slots=torch.arange(4))
+    report = piecewise.doctor(Registered(), torch.randn(4, 8))
+    found = [w for w in report.warnings if "piecewise_reads::update_by_name" in w]
+    assert len(found) == 1, report.warnings  # the slot mapping; not the layer's own cache
+    assert "held at `SLOTS['slots']`" in found[0] and "(32,) int64" not in found[0], found[0]
+    assert "(4,) int64" in found[0] and "argument" in found[0] and "splitting op" in found[0], found[0]

@@ -219,10 +219,10 @@ def doctor(model: Any, *args: Any, splitting_ops: Any = None, **kwargs: Any) -> 
         resolve_splitting_ops(splitting_ops)  # a name that is no op: the ValueError the runner would raise
     splitting = getattr(importlib.import_module("piecewise.runtime"), "trial_splitting_ops", None)
     with splitting(splitting_ops) if splitting is not None else contextlib.nullcontext():
-        return _doctor(model, args, kwargs)
+        return _doctor(model, args, kwargs, splitting_ops)
 
 
-def _doctor(model: Any, args: tuple, kwargs: dict) -> DoctorReport:
+def _doctor(model: Any, args: tuple, kwargs: dict, splitting_ops: Any = None) -> DoctorReport:
     forward = _forward_of(model)
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if first is not None and first.shape[:1] == (1,) and first.dim() >= 3 and first.shape[1] > 1 and \
@@ -233,9 +233,10 @@ def _doctor(model: Any, args: tuple, kwargs: dict) -> DoctorReport:
     tokens = guess_tokens(model, args, kwargs)
     metadata = _MetadataOps(tokens)
     counts = opaque_call_counts()
+    reads = _outside_reads(model, splitting_ops)
     with torch.no_grad(), remembered():  # the trace's blockers, found once for the trials too
         try:
-            with metadata:
+            with reads, metadata:  # the metadata check sees each custom op first, then the reads inside it
                 model(*args, **kwargs)
         except Exception as exc:
             raise RuntimeError(
@@ -272,8 +273,22 @@ def _doctor(model: Any, args: tuple, kwargs: dict) -> DoctorReport:
                 breakable = _trial_capture(model, args, kwargs, "breakable_trial")
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
                         first_call_checked=trial is not None, breakable_blockers=breakable,
-                        warnings=list(metadata.found.values()), size_notes=size_notes, auto=auto,
+                        warnings=list(metadata.found.values()) + _read_warnings(reads), size_notes=size_notes,
+                        auto=auto,
                         regions=regions if regions and breakable == [] else None)
+
+
+def _outside_reads(model: Any, splitting_ops: Any):
+    """What custom ops read from outside their arguments in the eager run (``runtime/op_reads.py``)."""
+    if not isinstance(model, torch.nn.Module):
+        return contextlib.nullcontext()
+    op_reads = importlib.import_module("piecewise.runtime.op_reads")
+    return op_reads.watching(model, resolve_splitting_ops(splitting_ops), always=True)
+
+
+def _read_warnings(reads: Any) -> list[str]:
+    return importlib.import_module("piecewise.runtime.op_reads").doctor_warnings(reads) \
+        if not isinstance(reads, contextlib.nullcontext) else []
 
 
 def _auto_trial(model: Any, args: tuple, kwargs: dict, dynamo_blocked: bool,

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import _compat
+from ..capture.outputs import walk_tensors
 from ..frontends.breakable_outside import op_leaves
 from ..frontends.user_frames import chain_text, innermost_user_frame, user_chain
 from ..graph.split import BUILTIN_NAMESPACES
@@ -151,9 +153,9 @@ class Watch(TorchDispatchMode):
 
     supports_higher_order_operators = True  # torch.cond and the like pass through as they are
 
-    def __init__(self, known: set[int], splitting: frozenset[str]):
+    def __init__(self, known: set[int], splitting: frozenset[str], always: bool = False):
         super().__init__()
-        self.known, self.splitting = known, splitting
+        self.known, self.splitting, self.always = known, splitting, always
         self.reads: dict[int, OutsideRead] = {}
         self.custom: dict[Any, bool] = {}
 
@@ -167,7 +169,7 @@ class Watch(TorchDispatchMode):
         if custom is None:
             custom = self.custom[func] = isinstance(func, torch._ops.OpOverload) and \
                 func.namespace not in BUILTIN_NAMESPACES and func._schema.name not in self.splitting
-        if custom and _capturing():
+        if custom and (self.always or _capturing()):
             result = self._inside(func, args, kwargs)
         else:
             result = func(*args, **kwargs)
@@ -227,10 +229,23 @@ class _Inside(TorchDispatchMode):
                                                      weakref.ref(base), _held_at(roots or {}, base), roots)
 
 
-def watching(model: torch.nn.Module, splitting: frozenset[str]) -> Watch:
-    """The mode to enter around the captures (parameters and buffers are the model's: they are known)."""
-    known = {p for t in [*model.parameters(), *model.buffers()] if (p := _storage(t)) is not None}
-    return Watch(known, splitting)
+def watching(model: torch.nn.Module, splitting: frozenset[str], always: bool = False) -> Watch:
+    """The mode to enter around the captures (parameters and buffers are the model's: they are known). ``always``:
+    every custom op's reads, captured or not (the doctor's eager run), the model's tensor attributes known too."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if always:  # a KV cache kept as a module attribute is the model's own state: not news to the doctor's reader
+        tensors += [t for m in model.modules() for _, t in walk_tensors(
+            {k: v for k, v in vars(m).items() if k not in _compat.MODULE_BOOKKEEPING}) if t is not None]
+    return Watch({p for t in tensors if (p := _storage(t)) is not None}, splitting, always)
+
+
+def doctor_warnings(watch: Watch) -> list[str]:
+    """The doctor's reading of what custom ops took from outside their arguments in its eager run."""
+    return [f"{read} that is not among its arguments (a global: an engine's forward context, a table). Captured "
+            f"into a graph (a custom op that is not a splitting op and whose result is used), the op runs once and "
+            f"the graph reads this tensor at every call: an engine that puts a new tensor there each step makes "
+            f"piecewise run the model's own forward (no graphs) from then on. Pass it to the op as an argument, keep "
+            f"one buffer filled in place, or make the op a splitting op." for read in watch.reads.values()]
 
 
 def settle(watch: Watch) -> list[OutsideRead]:
