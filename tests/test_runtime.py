@@ -728,12 +728,35 @@ def test_a_token_arguments_other_dimension_that_changes_runs_eagerly_naming_it(f
                                              rf"at the first call \(dimension 1\); its token dimension is 0") as caught:
             torch.testing.assert_close(runner(x), x * 2)
     hint = "if dimension 1 carries the tokens, pass dynamic={'x': 1, ...}"
-    assert (hint in str(caught[0].message)) == (first[0] == 1)
+    assert (hint in str(caught[0].message)) == (first[0] == 1)  # [T, hidden] activations: no hint
     with torch.no_grad():
         for x, dims in ((torch.randn(first[0], 4, 1), 3), (torch.randn(first[0]), 1)):
             with pytest.warns(UserWarning, match=rf"argument 'x' has {dims} dimensions, shape"):
                 torch.testing.assert_close(runner(x), x * 2)
     assert runner.stats["eager_calls"] == 3
+
+
+class Embeds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids):
+        return self.embed(input_ids)
+
+
+def test_batch_ids_whose_length_changes_are_told_the_dynamic_that_names_it():
+    """transformers-style ids [B, T] with B > 1: dimension 0 is taken for the tokens, so a longer T runs eagerly;
+    the warning names the dimension to pass."""
+    model = Embeds()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, cache_dir=None))
+    with torch.no_grad():
+        runner(torch.randint(0, 16, (2, 5)))
+        ids = torch.randint(0, 16, (2, 7))
+        with pytest.warns(UserWarning, match=r"dimension 1\); its token dimension is 0, the only one the graphs serve "
+                                             r"other sizes of; if dimension 1 carries the tokens, pass "
+                                             r"dynamic=\{'input_ids': 1, ...\}"):
+            torch.testing.assert_close(runner(ids), model(ids))
 
 
 @pytest.mark.parametrize("update", ["+=", "add_", "index_put_accumulate"])

@@ -112,8 +112,9 @@ class CallGuard:
         order = self.user_shape(name, tuple(range(len(first))))  # own dimension → dimension tokens-first
         changed = next(d for d in range(1, len(first)) if first[d] != value.shape[d])
         dim, token_dim = order.index(changed), order.index(0)
+        # batch-first taken, one row in dimension 0 at first, or ids of a batch ([B, T] integers: transformers')
         hint = f"; if dimension {dim} carries the tokens, pass dynamic={{{name!r}: {dim}, ...}}" \
-            if token_dim != 0 or first[0] == 1 else ""  # batch-first taken, or one row in dimension 0 at first
+            if token_dim != 0 or first[0] == 1 or (len(first) == 2 and not value.is_floating_point()) else ""
         return f"argument {name!r} has shape {now} and had {was} at the first call (dimension {dim}); its token " \
                f"dimension is {token_dim}, the only one the graphs serve other sizes of" + hint
 
