@@ -203,6 +203,44 @@ def test_a_custom_op_that_writes_without_declaring_it_is_not_dropped_by_inductor
     assert runner.stats.eager_writes >= 2, runner.stats  # both layers' writes run between the pieces
 
 
+def _engine_getter():
+    """vLLM's shape: the op calls a getter of another module's global (that module not named here)."""
+    engine = types.ModuleType("engine_context")
+    exec("_context = None\ndef get_context():\n    return _context\n", vars(engine))
+    return engine.get_context
+
+
+get_context = _engine_getter()
+
+
+@torch.library.custom_op("piecewise_reads::from_getter", mutates_args=())
+def from_getter(x: torch.Tensor) -> torch.Tensor:
+    return x + get_context().offsets[: x.shape[0]]
+
+
+@from_getter.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class ReadsThroughGetter(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.piecewise_reads.from_getter(x)
+
+
+def test_a_tensor_reached_through_a_getter_of_another_module_is_followed_into_that_module(monkeypatch):
+    engine = get_context.__globals__
+    engine["_context"] = types.SimpleNamespace(offsets=torch.randn(8, 4))
+    reads = _watched(ReadsThroughGetter(), torch.randn(3, 4), monkeypatch)
+    assert len(reads) == 1 and "held at `engine_context._context.offsets`" in str(reads[0]), [str(r) for r in reads]
+    kept = engine["_context"]
+    engine["_context"] = types.SimpleNamespace(offsets=torch.randn(8, 4))  # the next step's, the old one kept
+    message = op_reads.stale(reads)
+    assert message is not None and "`engine_context._context.offsets` now holds another tensor" in message, message
+    engine["_context"] = kept
+    assert op_reads.stale(reads) is None
+
+
 REGISTRY: dict[str, torch.nn.Module] = {}
 
 

@@ -59,7 +59,7 @@ class OutsideRead:
     """The globals of the frame that read it."""
 
     def __str__(self) -> str:
-        held = f" (held at `{_path_text(self.path)}`)" if self.path else ""
+        held = f" (held at `{_path_text(self.path, self.roots)}`)" if self.path else ""
         return (f"`{self.op}` at {self.where} reads a {tuple(self.shape)} {str(self.dtype).replace('torch.', '')} "
                 f"tensor{held}")
 
@@ -72,8 +72,8 @@ def stale(reads: list[OutsideRead]) -> str | None:
             what = "that tensor has been freed since the first call, so the graph would read freed memory"
         elif read.path and isinstance(now := _resolve(read.roots, read.path), torch.Tensor) and \
                 (now._base if now._base is not None else now) is not base:
-            what = (f"`{_path_text(read.path)}` now holds another tensor, so the graph would read the first call's "
-                    f"values")
+            what = f"`{_path_text(read.path, read.roots)}` now holds another tensor, so the graph would read the " \
+                   f"first call's values"
         else:
             continue
         return (f"piecewise: {read} that is not among its arguments (a global: an engine's forward context, a table), "
@@ -113,28 +113,41 @@ def _children(value: Any, top: bool) -> list:
     if isinstance(value, (list, tuple)):
         return [(("item", i), v) for i, v in enumerate(value[:256])]
     if isinstance(value, types.ModuleType):  # a module the op's module names: its globals, not the modules they name
-        root = value.__name__.partition(".")[0]
-        if not top or root in ("torch", "piecewise", "triton", "numpy") or root in sys.stdlib_module_names:
+        if not top or _library(value.__name__):
             return []
         return [(("attr", k), v) for k, v in list(vars(value).items()) if not k.startswith("__")]
-    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, str, bytes)):
+    if isinstance(value, types.FunctionType):  # a function the op calls (get_forward_context): its module's globals
+        if not top or _library(value.__module__ or "builtins"):
+            return []
+        return [(("global", k), v) for k, v in list(value.__globals__.items()) if not k.startswith("__")]
+    if isinstance(value, (type, types.BuiltinFunctionType, types.MethodType, str, bytes)):
         return []
     attributes = getattr(value, "__dict__", None)
     return [(("attr", k), v) for k, v in list(attributes.items())] if isinstance(attributes, dict) else []
+
+
+def _library(module: str) -> bool:
+    root = module.partition(".")[0]
+    return root in ("torch", "piecewise", "triton", "numpy", "builtins") or root in sys.stdlib_module_names
 
 
 def _resolve(roots: dict | None, path: tuple) -> Any:
     try:
         value = roots[path[0]]
         for kind, key in path[1:]:
-            value = value[key] if kind == "item" else vars(value)[key]
+            value = value[key] if kind == "item" else value.__globals__[key] if kind == "global" else vars(value)[key]
         return value
     except Exception:  # noqa: BLE001 - not there now (a context set only around some calls): nothing to compare
         return _MISSING
 
 
-def _path_text(path: tuple) -> str:
-    return path[0] + "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in path[1:])
+def _path_text(path: tuple, roots: dict | None) -> str:
+    """``CTX['slots']``; through a function's module: ``engine.forward_context._context.slot_mapping``."""
+    steps = list(path[1:])
+    text = path[0]
+    if steps and steps[0][0] == "global":
+        text = f"{getattr(roots.get(path[0]) if roots else None, '__module__', path[0])}.{steps.pop(0)[1]}"
+    return text + "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in steps)
 
 
 def _capturing() -> bool:
