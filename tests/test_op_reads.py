@@ -275,3 +275,35 @@ def test_the_doctor_names_a_custom_op_reading_per_call_metadata_from_a_global_an
     assert len(found) == 1, report.warnings  # the slot mapping; not the layer's own cache
     assert "held at `SLOTS['slots']`" in found[0] and "(32,) int64" not in found[0], found[0]
     assert "(4,) int64" in found[0] and "argument" in found[0] and "splitting op" in found[0], found[0]
+
+
+@torch.library.custom_op("piecewise_reads::outer", mutates_args=())
+def outer(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.piecewise_reads.inner(x * 2)  # hands on what it made: not an outside read
+
+
+@outer.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("piecewise_reads::inner", mutates_args=())
+def inner(x: torch.Tensor) -> torch.Tensor:
+    return x + CONTEXT["nested"][: x.shape[0]]
+
+
+@inner.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Nested(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.piecewise_reads.outer(x)
+
+
+def test_a_custom_op_called_inside_another_is_watched_too(monkeypatch):
+    CONTEXT.update(nested=torch.randn(8, 4))
+    reads = _watched(Nested(), torch.randn(3, 4), monkeypatch)
+    assert [r.op for r in reads] == ["piecewise_reads::inner"], [str(r) for r in reads]
+    assert "held at `CONTEXT['nested']`" in str(reads[0])

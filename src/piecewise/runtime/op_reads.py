@@ -176,14 +176,17 @@ class Watch(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True  # compiled code keeps running compiled (and Dynamo marks no frame to be skipped)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def is_custom(self, func) -> bool:
         custom = self.custom.get(func)
         if custom is None:
             custom = self.custom[func] = isinstance(func, torch._ops.OpOverload) and \
                 func.namespace not in BUILTIN_NAMESPACES and func._schema.name not in self.splitting
-        if custom and (self.always or _capturing()):
-            result = self._inside(func, args, kwargs)
+        return custom
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.is_custom(func) and (self.always or _capturing()):
+            result = self.inside(func, args, kwargs, set())
         else:
             result = func(*args, **kwargs)
         self._made(result)
@@ -194,15 +197,16 @@ class Watch(TorchDispatchMode):
             if isinstance(value, torch.Tensor) and (pointer := _storage(value)) is not None:
                 self.known.add(pointer)
 
-    def _inside(self, func, args: tuple, kwargs: dict) -> Any:
+    def inside(self, func, args: tuple, kwargs: dict, local: set[int]) -> Any:
+        """Run a custom op's kernel below the Python key, so that its own ops dispatch anew, through ``_Inside``
+        (``local``: what the op that calls this one was handed or made, shared with it)."""
         tensors = [v for v in op_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
         if not tensors:
             return func(*args, **kwargs)
-        # The op's kernel, below the Python key: its own ops then dispatch anew, through ``_Inside``.
         keys = reduce(lambda a, b: a | b, (torch._C._dispatch_keys(t) for t in tensors))
         below = keys & torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
-        inside = _Inside(self, func._schema.name, {p for t in tensors if (p := _storage(t)) is not None})
-        with inside:
+        local.update(p for t in tensors if (p := _storage(t)) is not None)
+        with _Inside(self, func._schema.name, local):
             return func.redispatch(below, *args, **kwargs)
 
 
@@ -226,7 +230,10 @@ class _Inside(TorchDispatchMode):
                     and pointer not in self.local and pointer not in self.watch.known:
                 self._note(value)
                 self.local.add(pointer)
-        result = func(*args, **kwargs)
+        if self.watch.is_custom(func):  # a custom op this one calls: its own ops are watched the same way
+            result = self.watch.inside(func, args, kwargs, self.local)
+        else:
+            result = func(*args, **kwargs)
         for value in op_leaves(result):
             if isinstance(value, torch.Tensor) and (pointer := _storage(value)) is not None:
                 self.local.add(pointer)
