@@ -557,6 +557,19 @@ def test_a_metadata_object_updated_in_place_is_right_and_a_new_one_over_the_same
         assert len(ours) == 1 and "argument 'meta' holds other values than at the first call" in ours[0]
 
 
+def test_a_metadata_object_holding_a_new_tensor_of_equal_values_is_told_so():
+    """Breakable's warning says a field holds another tensor (not "other values") where only the tensor object is
+    new: the values may be equal, the graphs read the old one's memory."""
+    model = WithMetadataArgument()
+    runner = piecewise.compile(model, config("breakable"), dynamic={"ids": 0})
+    ids = torch.randint(0, 32, (5,))
+    runner(ids, Metadata(torch.arange(MAX + 1), 1.0))
+    fresh = Metadata(torch.arange(MAX + 1), 1.0)  # equal values, a new tensor
+    with pytest.warns(UserWarning, match=r"argument 'meta' holds another tensor in field `positions` than at the "
+                                         r"first call \(the same shape and dtype at another address\)"):
+        torch.testing.assert_close(runner(ids, fresh), model(ids, fresh))
+
+
 def test_front_end_and_compiler_names_are_listed_once_and_the_registries_hold_exactly_those():
     from piecewise.capture.compilers import COMPILERS
     from piecewise.config import COMPILERS as COMPILER_NAMES

@@ -163,20 +163,30 @@ def fingerprint(value: Any, depth: int = 3) -> Any:
 
 
 def _describe_object(name: str, want: tuple, value: Any) -> str:
-    field = _changed_field(want[2], fingerprint(value))
+    changed = _changed_fields(want[2], fingerprint(value))
+    if len(changed) == 1 and _moved_tensor(*changed[0][1:]):  # only a tensor object is new: its values may be equal
+        return f"argument {name!r} holds another tensor in field `{changed[0][0]}` than at the first call (the same " \
+               f"shape and dtype at another address), and the graphs read the one it held then"
+    field = changed[0][0] if changed else None
     return f"argument {name!r} holds other values than at the first call" + (f" (field `{field}`)" if field else "") \
         + ", and the graphs read what it held then"
 
 
-def _changed_field(was: Any, now: Any) -> str | None:
-    """The first field of an object whose fingerprint differs, where both are one object's fields."""
+def _moved_tensor(old: Any, new: Any) -> bool:
+    return isinstance(old, tuple) and isinstance(new, tuple) and old[:1] == new[:1] == ("tensor",) and \
+        old[2:] == new[2:]
+
+
+def _changed_fields(was: Any, now: Any) -> list[tuple[str, Any, Any]]:
+    """The fields of an object whose fingerprints differ (name, fingerprint then, now), where both are one object's
+    fields."""
     if not (isinstance(was, tuple) and isinstance(now, tuple) and len(was) == len(now) == 2 and was[0] is now[0]):
-        return None
+        return []
     try:
         old, new = dict(was[1]), dict(now[1])
     except (TypeError, ValueError):
-        return None
-    return next((str(key) for key in {**old, **new} if old.get(key) != new.get(key)), None)
+        return []
+    return [(str(key), old.get(key), new.get(key)) for key in {**old, **new} if old.get(key) != new.get(key)]
 
 
 def _describe(name: str, want: tuple, value: Any) -> str:
