@@ -113,14 +113,64 @@ def test_a_tensor_reached_through_an_engine_module_and_objects_is_followed_there
     FORWARD_CONTEXT.current = kept
 
 
-def test_a_new_view_of_one_persistent_buffer_each_step_stays_alive(monkeypatch):
-    buffer = torch.randn(8, 4)
-    CONTEXT.update(table=buffer[:6], split=torch.randn(8, 4))
+@pytest.mark.parametrize("made", ["plain", "inference_mode"])
+def test_a_new_view_of_one_persistent_buffer_each_step_stays_the_same_tensor(monkeypatch, made):
+    with torch.inference_mode(made == "inference_mode"):  # views of an inference tensor have no _base
+        buffer = torch.randn(8, 4)
+        CONTEXT.update(table=buffer[:6], split=torch.randn(8, 4))
     reads = _watched(Reads(), torch.randn(3, 4), monkeypatch)
     assert len(reads) == 1
-    CONTEXT["table"] = buffer[:5]  # vLLM slices its persistent metadata buffers anew every step
+    with torch.inference_mode(made == "inference_mode"):
+        CONTEXT["table"] = buffer[:5]  # vLLM slices its persistent metadata buffers anew every step
+        CONTEXT["table"] = CONTEXT["table"].detach()
     gc.collect()
     assert op_reads.stale(reads) is None
+
+
+def test_the_models_own_tensor_attributes_and_sparse_results_are_no_outside_reads(monkeypatch):
+    SLOTS.update(slots=torch.arange(4))
+    model = Registered()
+    reads = _watched(model, torch.randn(4, 8), monkeypatch)
+    assert [r.shape for r in reads] == [(4,)], [str(r) for r in reads]  # the slot mapping, not the layer's cache
+
+    class Sparse(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.piecewise_reads.from_context(x.to_sparse().to_dense(), torch.eye(4))
+
+    CONTEXT.update(table=torch.randn(8, 4))
+    assert len(_watched(Sparse(), torch.randn(3, 4), monkeypatch)) == 1
+
+
+@torch.library.custom_op("piecewise_reads::pure_unused", mutates_args=())
+def pure_unused(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(0, keepdim=True)
+
+
+@pure_unused.register_fake
+def _(x):
+    return x.sum(0, keepdim=True)
+
+
+class PureUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        torch.ops.piecewise_reads.pure_unused(h.reshape(-1))  # a debug statistic nobody reads
+        return h * 2
+
+
+def test_an_unused_custom_op_stays_in_its_piece_with_eager_pieces():
+    model = PureUnused()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4], compiler="eager",
+                                                              frontend="dynamo", cache_dir=None))
+    with torch.no_grad():
+        for tokens in (3, 1, 4):
+            x = torch.randn(tokens, 4)
+            torch.testing.assert_close(runner(x), model(x))
+    assert runner.stats.eager_writes == 0 and runner.stats.pieces == 1, runner.stats
 
 
 def test_a_tensor_the_forward_made_and_stashed_in_a_global_is_not_an_outside_read(monkeypatch):

@@ -140,7 +140,8 @@ class DynamoFrontend:
         if self.tracer.graph_breaks:
             _refuse_mixed_values(graph, self.state)
         splitting = self.splitting_ops()
-        runner = GraphRunner(graph, self.state, self.compiler, splitting, static_writes(graph, token_inputs, splitting),
+        writes = static_writes(graph, token_inputs, splitting, compiled=self.compiler.name != "eager")
+        runner = GraphRunner(graph, self.state, self.compiler, splitting, writes,
                              after_break=self.tracer.graph_breaks, sizes=self.ladder.sizes)
         self.graph_runners.append(runner)
         self._on_new_graph(runner)
@@ -351,14 +352,15 @@ def mixing_places(nodes: list[torch.fx.Node]) -> tuple[str, list[traceback.Frame
 
 
 def static_writes(graph: torch.fx.GraphModule, token_inputs: list, splitting: frozenset[str],
-                  static: list | None = None) -> dict:
+                  static: list | None = None, compiled: bool = True) -> dict:
     """In-place writes of traced code into static tensors (arguments, parameters, buffers) → a label each.
 
     Such a write runs eagerly between pieces, on the real rows: inside a piece it would also run for the
     padding rows (a KV-cache write at the padded positions would overwrite position 0). A write that reads
     what it overwrites (``+=``, ``add_``) is refused: the first call runs the model several times. ``static``:
     the inputs that are such tensors, where not every input but the token arguments is one (a region after a
-    graph break also takes the activations Python passed on)."""
+    graph break also takes the activations Python passed on). ``compiled``: the pieces go to a compiler that removes
+    dead code, from which custom ops called for their effect are kept out (``unused_custom_ops``)."""
     if static is None:  # the one trace: every input but the token arguments is the model's or a static argument
         static = [node for node in graph.graph.nodes if node.op == "placeholder" and node not in token_inputs
                   and isinstance(node.meta.get("example_value"), torch.Tensor)]
@@ -379,7 +381,8 @@ def static_writes(graph: torch.fx.GraphModule, token_inputs: list, splitting: fr
             )
         eager[writer] = f"{what} into {target}" + (f" ({where})" if where else "")
     eager.update(eager_higher_order(graph))
-    eager.update(unused_custom_ops(graph, splitting))
+    if compiled:  # Inductor removes dead code; eager pieces run every node as traced
+        eager.update(unused_custom_ops(graph, splitting))
     if eager:
         logger.info(
             "piecewise: %d in-place write(s) into static tensors run eagerly between pieces, on the real rows "

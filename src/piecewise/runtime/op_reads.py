@@ -7,16 +7,18 @@ tensor: where the engine makes a new tensor every step, replays read the first o
 wrong slots. No front-end's trace sees inside such an op (Dynamo keeps it opaque; breakable's dispatch mode is off
 while an op runs), so piecewise looks while capturing: a dispatch mode around the captures runs each custom op's
 kernel below itself with a second mode on the stack, which notes every tensor the op's own ops read that is not
-among its arguments, not made inside it, not made by the forward, and not a parameter or buffer.
+among its arguments, not made inside it, not made by the forward, and not the model's own (its parameters, buffers
+and tensor attributes).
 
-Each is held by a weak reference to its base tensor (a view of a persistent buffer stays alive with the buffer),
-and by where the op's module reaches it: a path from the globals of the frame that read it (``CTX["slots"]``,
-``forward_context._forward_context.attn_metadata.slot_mapping``; dicts, lists, objects' attributes, modules named
-there). A later call finding the tensor freed, or the path holding a tensor of another base, runs the model's own
-forward with one warning: the graphs would read freed memory, or the first call's values. Not seen: an op whose
-kernel is not Python over torch ops (a C++ or Triton kernel reads what it is handed), a tensor reached only through
-a function's locals or a closure that a caller replaces while keeping the old one alive, and Python numbers read
-from a global inside an op (they are frozen at capture as well).
+Each is held by a weak reference to its storage (every view of one persistent buffer shares it, and it goes with
+the buffer), and by where the op's module holds it: a path from the globals of the frame that read it
+(``CTX["slots"]``, ``engine.forward_context._forward_context.attn_metadata.slot_mapping``; dicts, lists, objects'
+attributes, the modules and functions named there). A later call finding the storage freed, or a tensor over another
+storage at that path, runs the model's own forward with one warning: the graphs would read freed memory, or the
+first call's values. Not seen: a Triton kernel launched from the op on a global it was not handed, a custom op with
+no tensor argument, a tensor found at no path (reached through locals or a closure, or past the search's bounds)
+that the caller replaces while keeping the old one alive, and Python numbers read from a global inside an op (they
+are frozen at capture as well).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class OutsideRead:
     where: str
     shape: tuple
     dtype: torch.dtype
-    base: weakref.ref
+    storage: weakref.ref
+    """Its storage: one object for every view of one buffer, gone with the buffer."""
     path: tuple = ()
     """Where the op's module holds it: ``(name in roots, ("attr" | "item", key), ...)``; empty where not found."""
     roots: dict | None = None
@@ -67,18 +70,19 @@ class OutsideRead:
 def stale(reads: list[OutsideRead]) -> str | None:
     """Why the graphs can no longer serve a call, where a tensor a captured op read is freed or replaced."""
     for read in reads:
-        base = read.base()
-        if base is None:
+        storage = read.storage()
+        if storage is None:
             what = "that tensor has been freed since the first call, so the graph would read freed memory"
         elif read.path and isinstance(now := _resolve(read.roots, read.path), torch.Tensor) and \
-                (now._base if now._base is not None else now) is not base:
+                now.layout is torch.strided and now.untyped_storage() is not storage:
             what = f"`{_path_text(read.path, read.roots)}` now holds another tensor, so the graph would read the " \
                    f"first call's values"
         else:
             continue
         return (f"piecewise: {read} that is not among its arguments (a global: an engine's forward context, a table), "
                 f"and {what}: the op ran once, while its CUDA graph captured, and the graph reads the tensor it read "
-                f"then. This call and later ones run the model's own forward, without graphs. Pass the tensor to the "
+                f"then. This call runs the model's own forward, without graphs, as does every call while it is so. "
+                f"Pass the tensor to the "
                 f"op as an argument, keep it in one buffer filled in place on every call (as vLLM's persistent "
                 f"metadata buffers are), or make the op a splitting op (CaptureConfig(splitting_ops=[...])), which "
                 f"runs every call.")
@@ -90,8 +94,17 @@ _SEARCHED = 5000
 """Objects looked at, at most, to find where a read tensor is held (once per tensor, while capturing)."""
 
 
-def _held_at(roots: dict, base: torch.Tensor) -> tuple:
-    """The shortest path from ``roots`` (a frame's globals) to ``base`` or a view of it; () where none is found."""
+def _held_at(roots: dict, storage: Any) -> tuple:
+    """The shortest path from ``roots`` (a frame's globals) to a tensor over ``storage``; () where none is found
+    (within 6 steps and 5,000 objects; objects without ``__dict__`` are not entered): then only its freeing is
+    seen."""
+    try:
+        return _search(roots, storage)
+    except Exception:  # noqa: BLE001 - user objects answering isinstance or vars oddly: no path, never a failed capture
+        return ()
+
+
+def _search(roots: dict, storage: Any) -> tuple:
     queue = deque((value, (name,)) for name, value in list(roots.items()) if not name.startswith("__"))
     seen: set[int] = set()
     while queue and len(seen) < _SEARCHED:
@@ -100,7 +113,7 @@ def _held_at(roots: dict, base: torch.Tensor) -> tuple:
             continue
         seen.add(id(value))
         if isinstance(value, torch.Tensor):
-            if (value._base if value._base is not None else value) is base:
+            if value.layout is torch.strided and value.untyped_storage() is storage:
                 return path
         elif len(path) < 6:
             queue.extend((child, (*path, step)) for step, child in _children(value, top=len(path) == 1))
@@ -155,7 +168,7 @@ def _capturing() -> bool:
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
-    if type(tensor) not in _PLAIN or tensor.is_meta:
+    if type(tensor) not in _PLAIN or tensor.is_meta or tensor.layout is not torch.strided:
         return None
     return tensor.untyped_storage().data_ptr()
 
@@ -240,22 +253,21 @@ class _Inside(TorchDispatchMode):
         return result
 
     def _note(self, tensor: torch.Tensor) -> None:
-        base = tensor._base if tensor._base is not None else tensor
-        if id(base) not in self.watch.reads:
+        storage = tensor.untyped_storage()
+        if id(storage) not in self.watch.reads:
             where = chain_text(user_chain()[-1:]) or "an unknown line"
             frame = innermost_user_frame()
             roots = frame.f_globals if frame is not None else None
-            self.watch.reads[id(base)] = OutsideRead(self.op, where, tuple(tensor.shape), tensor.dtype,
-                                                     weakref.ref(base), _held_at(roots or {}, base), roots)
+            self.watch.reads[id(storage)] = OutsideRead(self.op, where, tuple(tensor.shape), tensor.dtype,
+                                                        weakref.ref(storage), _held_at(roots or {}, storage), roots)
 
 
 def watching(model: torch.nn.Module, splitting: frozenset[str], always: bool = False) -> Watch:
-    """The mode to enter around the captures (parameters and buffers are the model's: they are known). ``always``:
-    every custom op's reads, captured or not (the doctor's eager run), the model's tensor attributes known too."""
-    tensors = [*model.parameters(), *model.buffers()]
-    if always:  # a KV cache kept as a module attribute is the model's own state: not news to the doctor's reader
-        tensors += [t for m in model.modules() for _, t in walk_tensors(
-            {k: v for k, v in vars(m).items() if k not in _compat.MODULE_BOOKKEEPING}) if t is not None]
+    """The mode to enter around the captures. The model's parameters, buffers and tensor attributes (a KV cache kept
+    on its layer, as vLLM's) are its own state, known: parameters and buffers are watched on every call
+    (``runtime/watch.py``). ``always``: every custom op's reads, captured or not (the doctor's eager run)."""
+    tensors = [*model.parameters(), *model.buffers()] + [t for m in model.modules() for _, t in walk_tensors(
+        {k: v for k, v in vars(m).items() if k not in _compat.MODULE_BOOKKEEPING}) if t is not None]
     return Watch({p for t in tensors if (p := _storage(t)) is not None}, splitting, always)
 
 
