@@ -357,3 +357,21 @@ def test_a_custom_op_called_inside_another_is_watched_too(monkeypatch):
     reads = _watched(Nested(), torch.randn(3, 4), monkeypatch)
     assert [r.op for r in reads] == ["piecewise_reads::inner"], [str(r) for r in reads]
     assert "held at `CONTEXT['nested']`" in str(reads[0])
+
+
+def test_a_runner_whose_captured_op_read_a_tensor_now_replaced_runs_the_models_own_forward(monkeypatch):
+    """The wiring of ``runtime/model.py`` (graphs are needed for the reads to be recorded: set here by hand, as a
+    CUDA capture records them; tests/gpu/test_outside_tensors_gpu.py runs it with real graphs)."""
+    CONTEXT.update(table=torch.randn(8, 4), split=torch.randn(8, 4))
+    model = Reads()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4], cache_dir=None))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        runner(x)
+    runner.state.outside_reads = _watched(model, x, monkeypatch)
+    CONTEXT["table"] = torch.randn(8, 4)  # the engine's next step
+    monkeypatch.setattr(runner.state, "graphs_enabled", True)  # what a CUDA capture leaves
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"`piecewise_reads::from_context` at .* reads a \(8, 4\) "
+                                                          r"float32 tensor \(held at `CONTEXT\['table'\]`\)"):
+        torch.testing.assert_close(runner(x), model(x))
+    assert runner.stats.eager_calls == 1
