@@ -173,10 +173,15 @@ def test_an_unused_custom_op_stays_in_its_piece_with_eager_pieces():
     assert runner.stats.eager_writes == 0 and runner.stats.pieces == 1, runner.stats
 
 
-def test_a_tensor_the_forward_made_and_stashed_in_a_global_is_not_an_outside_read(monkeypatch):
+def test_a_tensor_the_forward_made_and_stashed_in_a_global_is_never_stale_nor_news_to_the_doctor(monkeypatch):
     CONTEXT.update(table=torch.randn(8, 4), split=torch.randn(8, 4))
-    reads = _watched(Reads(stash=True), torch.randn(3, 4), monkeypatch)
-    assert [r.shape for r in reads] == [(8, 4)], [str(r) for r in reads]
+    model, x = Reads(stash=True), torch.randn(3, 4)
+    reads = _watched(model, x, monkeypatch)  # captures note no made tensors: it is read, and held where it was put
+    assert op_reads.stale(reads) is None  # replays run no Python: nothing puts another there
+    watch = op_reads.watching(model, frozenset({"piecewise_reads::split_reader"}), always=True)
+    with torch.inference_mode(), watch:
+        model(x)
+    assert [r.shape for r in watch.reads.values()] == [(8, 4)], [str(r) for r in watch.reads.values()]
 
 
 def test_outside_a_capture_nothing_is_watched():
@@ -375,3 +380,19 @@ def test_a_runner_whose_captured_op_read_a_tensor_now_replaced_runs_the_models_o
                                                           r"float32 tensor \(held at `CONTEXT\['table'\]`\)"):
         torch.testing.assert_close(runner(x), model(x))
     assert runner.stats.eager_calls == 1
+
+
+def test_dynamo_says_whether_its_pieces_call_a_custom_op_and_breakable_cannot_tell():
+    """The captures are watched only where a custom op may run in them (a Python dispatch per op costs start-up)."""
+    CONTEXT.update(table=torch.randn(8, 4), split=torch.randn(8, 4))
+    x = torch.randn(3, 4)
+    for model, calls in ((Reads(), True), (PureUnused(), True), (torch.nn.Linear(4, 4), False)):
+        runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4], compiler="eager",
+                                                                  frontend="dynamo", cache_dir=None))
+        with torch.no_grad():
+            runner(x)
+        assert runner.frontend.runs_custom_ops() is calls, type(model).__name__
+    runner = piecewise.compile(torch.nn.Linear(4, 4), piecewise.CaptureConfig(frontend="breakable", cache_dir=None))
+    with torch.no_grad():
+        runner(x)
+    assert runner.frontend.runs_custom_ops() is True

@@ -42,6 +42,10 @@ class Frontend(Protocol):
     replays_python: bool
     """Whether a replayed call runs the forward's Python (Dynamo's bytecode around the graphs) or none of it."""
 
+    def runs_custom_ops(self) -> bool:
+        """Whether a custom op other than the splitting ops may run while the graphs capture (their reads are
+        watched then: ``runtime/op_reads.py``); True where the front-end cannot tell."""
+
     def check_state(self, arguments: dict[str, Any], full: bool) -> None:
         """After the first call, before a padded call (``full``: served by a full graph): raise ``StateChanged``
         where the model's state the graphs depend on changed and the model's own forward can serve the call, or

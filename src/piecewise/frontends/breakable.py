@@ -213,6 +213,9 @@ class BreakableFrontend:
         pointer = storage(tensor)
         return pointer in self.static or pointer in self.state.buffer_storages or self.stager.owns(tensor)
 
+    def runs_custom_ops(self) -> bool:
+        return True  # the forward's Python runs at every capture: any op may
+
     def check_state(self, arguments: dict[str, Any], full: bool) -> None:
         """Raise ``ValueError`` (``AttributeReads.check``) when an attribute the forward reads was assigned since the
         first call: graphs (full or piecewise) and padded runs would use what it held."""

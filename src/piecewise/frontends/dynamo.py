@@ -101,6 +101,10 @@ class DynamoFrontend:
             self.stats.direct_calls += 1
         return output
 
+    def runs_custom_ops(self) -> bool:
+        # Python between graph breaks runs at capture too; else what the traced graphs call
+        return bool(self.tracer.graph_breaks) or any(runner.custom_ops for runner in self.graph_runners)
+
     def check_state(self, arguments: dict[str, Any], full: bool) -> None:
         """Before a full graph serves a call (its replay runs no Dynamo code): ``StateChanged`` where the model's
         state fails the guards of the first call's trace (a flag flipped since). (A piecewise call runs the guards

@@ -107,3 +107,10 @@ def unused_custom_ops(graph: torch.fx.GraphModule, splitting_ops: frozenset[str]
         where = user_line(node)
         found[node] = f"`{name}`, whose result goes unused" + (f" ({where})" if where else "")
     return found
+
+
+def has_custom_ops(graph: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> bool:
+    """Whether ``graph`` calls a custom op that is not a splitting op (one whose Python runs only at capture)."""
+    return any(name not in splitting_ops and name.partition("::")[0] not in BUILTIN_NAMESPACES
+               for node in graph.graph.nodes if node.op == "call_function"
+               and (name := op_name(node.target)) is not None)

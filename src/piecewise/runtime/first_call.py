@@ -6,6 +6,7 @@ runs once more for real. The model's Python attributes are put back if the first
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -188,13 +189,13 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
                 check_full_padding(core.full, arguments, tokens)
                 clock.lap("full-graph check")
             if use_graphs or core.frontend.runs_every_size:
-                if use_graphs:  # what custom ops read that their graphs keep (``op_reads``)
-                    with (watch := op_reads.watching(core.model, resolve_splitting_ops(core.config.splitting_ops))):
-                        capture_all(core, arguments, graphs=True)
-                    core.state.outside_reads = op_reads.settle(watch)
-                    core.stats.outside_reads = [str(read) for read in core.state.outside_reads]
-                else:
-                    capture_all(core, arguments, graphs=False)
+                # what custom ops read that their graphs keep (``op_reads``)
+                watch = op_reads.watching(core.model, resolve_splitting_ops(core.config.splitting_ops)) \
+                    if use_graphs and core.frontend.runs_custom_ops() else None
+                with watch if watch is not None else contextlib.nullcontext():
+                    capture_all(core, arguments, graphs=use_graphs)
+                core.state.outside_reads = op_reads.settle(watch) if watch is not None else []
+                core.stats.outside_reads = [str(read) for read in core.state.outside_reads]
                 clock.lap("capture")
             if core.frontend.runs_every_size:
                 check_count(core, arguments)

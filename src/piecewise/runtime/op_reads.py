@@ -197,12 +197,14 @@ class Watch(TorchDispatchMode):
         return custom
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if self.is_custom(func) and (self.always or _capturing()):
-            result = self.inside(func, args, kwargs, set())
+            result = self.inside(func, args, kwargs or {}, set())
+        elif not self.always:
+            return func(*args, **kwargs) if kwargs else func(*args)
         else:
-            result = func(*args, **kwargs)
-        self._made(result)
+            result = func(*args, **(kwargs or {}))
+        if self.always:  # the doctor's one run: what the forward made (and may keep in a global) is not news
+            self._made(result)
         return result
 
     def _made(self, result: Any) -> None:
@@ -281,8 +283,10 @@ def doctor_warnings(watch: Watch) -> list[str]:
 
 
 def settle(watch: Watch) -> list[OutsideRead]:
-    """What the captures read from outside, logged once."""
-    reads = list(watch.reads.values())
+    """What the captures read from outside, logged once. Captures do not note what the forward made (one Python
+    step less per op of every capture): a tensor of the forward a captured op read through a global was the graph's
+    own, gone once the captures end, or is still held there, where no later call (no Python runs) replaces it."""
+    reads = [read for read in watch.reads.values() if read.storage() is not None]
     for read in reads:
         logger.info("piecewise: %s that is not among its arguments; its graphs read it where it is now (a later call "
                     "finding it freed runs the model's own forward)", read)
