@@ -396,3 +396,42 @@ def test_dynamo_says_whether_its_pieces_call_a_custom_op_and_breakable_cannot_te
     with torch.no_grad():
         runner(x)
     assert runner.frontend.runs_custom_ops() is True
+
+
+@torch.library.custom_op("piecewise_reads::declared_write", mutates_args=("cache",))
+def declared_write(rows: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> None:
+    cache.index_copy_(0, positions, rows)
+
+
+@declared_write.register_fake
+def _(rows, positions, cache):
+    return None
+
+
+class DeclaredWrite(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(32, 4))
+
+    def forward(self, x, positions):
+        h = self.linear(x)
+        torch.ops.piecewise_reads.declared_write(h, positions, self.cache)  # Dynamo records the overload packet
+        return h * 2
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_custom_op_declaring_its_cache_write_runs_between_the_pieces_on_the_real_rows(compiler):
+    torch.manual_seed(0)
+    model, eager = DeclaredWrite(), DeclaredWrite()
+    eager.load_state_dict(model.state_dict())
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4], compiler=compiler,
+                                                              frontend="dynamo", cache_dir=None))
+    start = 0
+    with torch.no_grad():
+        for tokens in (3, 1, 4, 2):
+            x, positions = torch.randn(tokens, 4), torch.arange(start, start + tokens)
+            torch.testing.assert_close(runner(x, positions), eager(x, positions))
+            torch.testing.assert_close(model.cache, eager.cache, msg=lambda m: f"after {tokens} tokens: {m}")
+            start += tokens
+    assert runner.stats.eager_writes == 1, runner.stats

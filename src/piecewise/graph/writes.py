@@ -52,13 +52,24 @@ def accumulates(node: torch.fx.Node) -> bool:
     return False
 
 
+def node_schema(node: torch.fx.Node):
+    """The schema of an op node: its overload's, or for an overload packet (Dynamo records ``torch.ops.ns.op(...)``
+    as one) that of its only or default overload; None for anything else."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overloads = target.overloads()
+        name = "default" if "default" in overloads else overloads[0] if len(overloads) == 1 else None
+        target = getattr(target, name) if name is not None else None
+    return target._schema if isinstance(target, torch._ops.OpOverload) else None
+
+
 def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The arguments ``node`` writes in place: a schema's mutable arguments, ``self`` of an in-place method,
     or the target of ``x[i] = v`` / ``x += v``."""
     if (node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__")) or (
             node.op == "call_function" and node.target in _IN_PLACE_OPERATORS):
         return [node.args[0]] if node.args and isinstance(node.args[0], torch.fx.Node) else []
-    schema = getattr(node.target, "_schema", None)
+    schema = node_schema(node)
     if node.op != "call_function" or schema is None:
         return []
     written = []
