@@ -236,7 +236,7 @@ def _doctor(model: Any, args: tuple, kwargs: dict, splitting_ops: Any = None) ->
     reads = _outside_reads(model, splitting_ops)
     with torch.no_grad(), remembered():  # the trace's blockers, found once for the trials too
         try:
-            with reads, metadata:  # the metadata check sees each custom op first, then the reads inside it
+            with reads or contextlib.nullcontext(), metadata:  # the metadata check sees each custom op first
                 model(*args, **kwargs)
         except Exception as exc:
             raise RuntimeError(
@@ -273,22 +273,18 @@ def _doctor(model: Any, args: tuple, kwargs: dict, splitting_ops: Any = None) ->
                 breakable = _trial_capture(model, args, kwargs, "breakable_trial")
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
                         first_call_checked=trial is not None, breakable_blockers=breakable,
-                        warnings=list(metadata.found.values()) + _read_warnings(reads), size_notes=size_notes,
-                        auto=auto,
+                        warnings=list(metadata.found.values()) + (
+                            importlib.import_module("piecewise.runtime.op_reads").doctor_warnings(reads)
+                            if reads is not None else []), size_notes=size_notes, auto=auto,
                         regions=regions if regions and breakable == [] else None)
 
 
 def _outside_reads(model: Any, splitting_ops: Any):
     """What custom ops read from outside their arguments in the eager run (``runtime/op_reads.py``)."""
     if not isinstance(model, torch.nn.Module):
-        return contextlib.nullcontext()
+        return None
     op_reads = importlib.import_module("piecewise.runtime.op_reads")
     return op_reads.watching(model, resolve_splitting_ops(splitting_ops), always=True)
-
-
-def _read_warnings(reads: Any) -> list[str]:
-    return importlib.import_module("piecewise.runtime.op_reads").doctor_warnings(reads) \
-        if not isinstance(reads, contextlib.nullcontext) else []
 
 
 def _auto_trial(model: Any, args: tuple, kwargs: dict, dynamo_blocked: bool,

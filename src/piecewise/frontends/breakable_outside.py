@@ -27,19 +27,19 @@ class OutsideTensors:
 
     def __init__(self, frontend: Any, arguments: dict[str, Any]):
         self.frontend = frontend
-        self.known: set[int] = {storage(t) for t in _tensors(arguments) if _checkable(t)}
+        self.known: set[int] = {storage(t) for t in _tensors(arguments) if checkable(t)}
 
     def made(self, result: Any) -> None:
         """Note what an op of the run returned."""
         for value in op_leaves(result):
-            if isinstance(value, torch.Tensor) and _checkable(value):
+            if isinstance(value, torch.Tensor) and checkable(value):
                 self.known.add(storage(value))
 
     def check(self, name: str, args: tuple, kwargs: dict | None, labels: list[str] | None = None) -> None:
         """Refuse an op (or a compiled region, ``labels`` naming its inputs) that reads a tensor from outside (see
         the module's docstring)."""
         for index, value in enumerate(op_leaves((args, kwargs or {}))):
-            if not isinstance(value, torch.Tensor) or not _checkable(value):
+            if not isinstance(value, torch.Tensor) or not checkable(value):
                 continue
             pointer = storage(value)
             if pointer in self.known or self._kept(value, pointer):
@@ -71,7 +71,7 @@ class OutsideTensors:
         if self.frontend.module_storages is None or refresh:
             found = [t for module in self.frontend.model.modules() for t in _tensors(
                 {k: v for k, v in vars(module).items() if k != "_modules"})]
-            self.frontend.module_storages = {storage(t) for t in found if _checkable(t)}
+            self.frontend.module_storages = {storage(t) for t in found if checkable(t)}
         return self.frontend.module_storages
 
 
@@ -80,9 +80,9 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [tensor for _, tensor in walk_tensors(value) if tensor is not None]
 
 
-def _checkable(tensor: torch.Tensor) -> bool:
-    """A plain tensor with memory of its own (not meta, not a subclass whose storage is not its data)."""
-    return type(tensor) in _PLAIN_TENSORS and not tensor.is_meta
+def checkable(tensor: torch.Tensor) -> bool:
+    """A plain tensor with memory of its own (not meta, not sparse, not a subclass whose storage is not its data)."""
+    return type(tensor) in _PLAIN_TENSORS and not tensor.is_meta and tensor.layout is torch.strided
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)

@@ -12,6 +12,7 @@ from torch.fx.passes.split_module import split_module
 
 from ..opaque import op_name
 from .tokens import user_line
+from .writes import node_schema
 
 BUILTIN_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d",
                                 "profiler", "_dtensor", "inductor", "higher_order", "debugprims", "rngprims",
@@ -91,6 +92,12 @@ def eager_higher_order(graph: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     return found
 
 
+def is_custom_op(name: str | None, splitting_ops: frozenset[str]) -> bool:
+    """Whether the op ``"ns::name"`` is a custom op other than the splitting ops: one whose Python runs only at
+    capture, inside a graph."""
+    return name is not None and name not in splitting_ops and name.partition("::")[0] not in BUILTIN_NAMESPACES
+
+
 def unused_custom_ops(graph: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> dict[torch.fx.Node, str]:
     """Custom-op nodes whose results go unused and whose schema declares no write → a label each: they run eagerly
     between the pieces. Such an op is called for what it does, not what it returns (a KV-cache write that declares
@@ -98,19 +105,17 @@ def unused_custom_ops(graph: torch.fx.GraphModule, splitting_ops: frozenset[str]
     a piece as dead code, and the model's state would go unwritten."""
     found = {}
     for node in graph.graph.nodes:
-        name = op_name(node.target) if node.op == "call_function" else None
-        if name is None or node.users or name in splitting_ops or name.partition("::")[0] in BUILTIN_NAMESPACES:
+        if node.op != "call_function" or node.users or not is_custom_op(op_name(node.target), splitting_ops):
             continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        schema = node_schema(node)
+        if schema is not None and schema.is_mutable:
             continue  # a declared write: the write checks decide where it runs
         where = user_line(node)
-        found[node] = f"`{name}`, whose result goes unused" + (f" ({where})" if where else "")
+        found[node] = f"`{op_name(node.target)}`, whose result goes unused" + (f" ({where})" if where else "")
     return found
 
 
 def has_custom_ops(graph: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> bool:
-    """Whether ``graph`` calls a custom op that is not a splitting op (one whose Python runs only at capture)."""
-    return any(name not in splitting_ops and name.partition("::")[0] not in BUILTIN_NAMESPACES
-               for node in graph.graph.nodes if node.op == "call_function"
-               and (name := op_name(node.target)) is not None)
+    """Whether ``graph`` calls a custom op other than the splitting ops."""
+    return any(node.op == "call_function" and is_custom_op(op_name(node.target), splitting_ops)
+               for node in graph.graph.nodes)

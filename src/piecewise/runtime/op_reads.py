@@ -37,14 +37,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _compat
 from ..capture.outputs import walk_tensors
-from ..frontends.breakable_outside import op_leaves
+from ..frontends.breakable_outside import checkable, op_leaves
+from ..frontends.breakable_steps import storage as storage_of
 from ..frontends.user_frames import chain_text, innermost_user_frame, user_chain
-from ..graph.split import BUILTIN_NAMESPACES
+from ..graph.split import is_custom_op
 
 logger = logging.getLogger(__name__)
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
-
 
 @dataclass
 class OutsideRead:
@@ -167,10 +165,9 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _storage(tensor: torch.Tensor) -> int | None:
-    if type(tensor) not in _PLAIN or tensor.is_meta or tensor.layout is not torch.strided:
-        return None
-    return tensor.untyped_storage().data_ptr()
+def _storages(value: Any) -> list[int]:
+    """The storages of the plain tensors among an op's arguments or results."""
+    return [storage_of(t) for t in op_leaves(value) if isinstance(t, torch.Tensor) and checkable(t)]
 
 
 class Watch(TorchDispatchMode):
@@ -193,24 +190,18 @@ class Watch(TorchDispatchMode):
         custom = self.custom.get(func)
         if custom is None:
             custom = self.custom[func] = isinstance(func, torch._ops.OpOverload) and \
-                func.namespace not in BUILTIN_NAMESPACES and func._schema.name not in self.splitting
+                is_custom_op(func._schema.name, self.splitting)
         return custom
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if self.is_custom(func) and (self.always or _capturing()):
-            result = self.inside(func, args, kwargs or {}, set())
-        elif not self.always:
-            return func(*args, **kwargs) if kwargs else func(*args)
+            result = self.inside(func, args, kwargs, set())
         else:
-            result = func(*args, **(kwargs or {}))
+            result = func(*args, **kwargs)
         if self.always:  # the doctor's one run: what the forward made (and may keep in a global) is not news
-            self._made(result)
+            self.known.update(_storages(result))
         return result
-
-    def _made(self, result: Any) -> None:
-        for value in op_leaves(result):
-            if isinstance(value, torch.Tensor) and (pointer := _storage(value)) is not None:
-                self.known.add(pointer)
 
     def inside(self, func, args: tuple, kwargs: dict, local: set[int]) -> Any:
         """Run a custom op's kernel below the Python key, so that its own ops dispatch anew, through ``_Inside``
@@ -220,7 +211,7 @@ class Watch(TorchDispatchMode):
             return func(*args, **kwargs)
         keys = reduce(lambda a, b: a | b, (torch._C._dispatch_keys(t) for t in tensors))
         below = keys & torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
-        local.update(p for t in tensors if (p := _storage(t)) is not None)
+        local.update(_storages(tensors))
         with _Inside(self, func._schema.name, local):
             return func.redispatch(below, *args, **kwargs)
 
@@ -241,17 +232,15 @@ class _Inside(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for value in op_leaves((args, kwargs)):
-            if isinstance(value, torch.Tensor) and (pointer := _storage(value)) is not None \
-                    and pointer not in self.local and pointer not in self.watch.known:
+            if isinstance(value, torch.Tensor) and checkable(value) and (pointer := storage_of(value)) not in \
+                    self.local and pointer not in self.watch.known:
                 self._note(value)
                 self.local.add(pointer)
         if self.watch.is_custom(func):  # a custom op this one calls: its own ops are watched the same way
             result = self.watch.inside(func, args, kwargs, self.local)
         else:
             result = func(*args, **kwargs)
-        for value in op_leaves(result):
-            if isinstance(value, torch.Tensor) and (pointer := _storage(value)) is not None:
-                self.local.add(pointer)
+        self.local.update(_storages(result))
         return result
 
     def _note(self, tensor: torch.Tensor) -> None:
@@ -270,7 +259,7 @@ def watching(model: torch.nn.Module, splitting: frozenset[str], always: bool = F
     (``runtime/watch.py``). ``always``: every custom op's reads, captured or not (the doctor's eager run)."""
     tensors = [*model.parameters(), *model.buffers()] + [t for m in model.modules() for _, t in walk_tensors(
         {k: v for k, v in vars(m).items() if k not in _compat.MODULE_BOOKKEEPING}) if t is not None]
-    return Watch({p for t in tensors if (p := _storage(t)) is not None}, splitting, always)
+    return Watch(set(_storages(tensors)), splitting, always)
 
 
 def doctor_warnings(watch: Watch) -> list[str]:
