@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context import redirect_padding
-from ..kernels.attention import attend, attend_over_cache
+from ..kernels.attention import attend, attend_over_cache, sdpa
 from ..kernels.nvfp4 import quantize_linears
 from ..models.attention import attention as cached_attention
 from ..models.attention import cache_overflow_named, within_kernel
@@ -64,7 +64,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     group = q.shape[1] // k.shape[1]
     keys = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T, D]
     values = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True, scale=scaling)
+    out = sdpa(q.transpose(0, 1), keys, values, is_causal=True, scale=scaling)
     return out.transpose(0, 1).contiguous()  # as the fake
 
 

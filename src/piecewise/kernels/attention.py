@@ -33,6 +33,22 @@ BLOCK_N = 64
 """Keys per step of the loop over a sequence's cache."""
 
 
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with cuDNN's backend left out on CUDA (FlashAttention, then
+    memory-efficient attention, as torch orders them otherwise). torch picks cuDNN first on Hopper, and cuDNN
+    builds an execution plan for every new shape: 57-90 ms each on an H200 with torch 2.11 (110-434 ms for a
+    prefill), against 0.7-1.9 ms for the others' first call (benchmarks/RESULTS.md, "cuDNN's attention plans"). A
+    capture over 51 batch sizes paid it 51 times, and a prefill pays it at every new prompt length. The switch is
+    torch's own global flag, set for this call only (1 µs on a 2-core CPU; the context manager costs 33)."""
+    if not query.is_cuda or not torch.backends.cuda.cudnn_sdp_enabled():
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
                       scale: float | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [T, Hq, D] of one sequence at ``positions`` attends causally over its cache [S, Hkv, D] → [T, Hq·D].
@@ -58,7 +74,7 @@ def attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Ten
         scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
         out = (torch.softmax(scores, dim=-1) @ values.float()).to(q.dtype)
     else:
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+        out = sdpa(query, keys, values, attn_mask=mask, scale=scale)
     return out.view(kv_heads, group, tokens, head_dim).permute(2, 0, 1, 3).reshape(tokens, q_heads * head_dim)
 
 
@@ -141,8 +157,7 @@ def slot_attention_batched(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     if layout["fresh"] and window == 0:  # row i of a sequence sees its keys 0..i: causal, no mask (the fused kernels)
         keys = cache_k[ids, :longest].transpose(1, 2)
         values = cache_v[ids, :longest].transpose(1, 2)
-        return unbatch(F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, is_causal=True,
-                                                      scale=scale, enable_gqa=gqa))
+        return unbatch(sdpa(query.transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=gqa))
     keys_len = layout["keys_len"]
     visible = layout["masks"].get(window)
     if visible is None:
@@ -156,8 +171,7 @@ def slot_attention_batched(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
         visible = layout["masks"][window] = visible[:, None]
     keys = cache_k[ids, :keys_len].transpose(1, 2)  # [B, Hkv, K, D]
     values = cache_v[ids, :keys_len].transpose(1, 2)
-    return unbatch(F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=visible,
-                                                  scale=scale, enable_gqa=gqa))
+    return unbatch(sdpa(query.transpose(1, 2), keys, values, attn_mask=visible, scale=scale, enable_gqa=gqa))
 
 
 if triton is not None:

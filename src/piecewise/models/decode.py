@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..context import redirect_padding
 from ..opaque import opaque_op
+from ..kernels.attention import sdpa
 from .attention import attention_fake, cache_overflow_named
 from .llama import LlamaConfig, TinyLlama
 
@@ -30,7 +30,7 @@ def decode_attention(
         cache[1][rows, :, at] = v_in
     # GQA without expanding K/V: the group's query heads become the query length of one KV head.
     query = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(query, cache[0], cache[1])
+    out = sdpa(query, cache[0], cache[1])
     return out.reshape(batch, q_heads * head_dim)
 
 
