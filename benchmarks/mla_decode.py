@@ -20,6 +20,7 @@ import argparse
 import copy
 import datetime
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,12 @@ def step_floor_bytes(model, batch: int, context: int, row_bytes: int | None = No
     return int(total)
 
 
+def _compiler(row: dict) -> str:
+    """The pieces' compiler of a decode row: as given, or what ``"auto"`` took (from its reason)."""
+    taken = re.search(r"compiler '(\w+)'", row.get("reason") or "")
+    return row.get("compiler", "eager") if row.get("compiler") != "auto" or not taken else f"auto: {taken.group(1)}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -74,7 +81,8 @@ def main() -> int:
     parser.add_argument("--prefill", default="2048,8192")
     parser.add_argument("--per-head", action="store_true", help="also the per-head cache (B and context that fit)")
     parser.add_argument("--frontend", default="auto", choices=["auto", "dynamo", "breakable"])
-    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"], help="the pieces' compiler")
+    parser.add_argument("--compiler", default="auto", choices=["auto", "eager", "inductor"],
+                        help="the pieces' compiler (default: the library's, measured at the first call)")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--cache-dtype", default="model", choices=["model", "fp8"],
                         help="the latent cache's rows: the model's dtype, or FP8 (kernels.latent_fp8)")
@@ -164,7 +172,8 @@ def main() -> int:
                     floor = step_floor_bytes(model, b, ctx, row_bytes) / HBM * 1e3
                     result["decode"].append({"cache": label, "context": ctx, "batch": b, "ms": ms, "floor_ms": floor,
                                              "rel_error": error, "frontend": runner.stats["frontend"],
-                                             "graph_mode": runner.stats["graph_mode"], "compiler": args.compiler})
+                                             "graph_mode": runner.stats["graph_mode"], "compiler": args.compiler,
+                                             "reason": runner.stats["frontend_reason"]})
                     progress(f"{label}, context {ctx}, B={b}: {ms:.3f} ms (floor {floor:.3f}), rel. error {error}")
                     if b == args.profile and latent and args.out:
                         from torch.profiler import ProfilerActivity, profile
@@ -229,7 +238,7 @@ def markdown(result: dict) -> str:
     for r in result["decode"]:
         error = f"{r['rel_error']:.1e}" if r["rel_error"] is not None else "-"
         lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | {error} "
-                     f"| {r['frontend']}, {r['graph_mode']} |")
+                     f"| {r['frontend']}, {r['graph_mode']}, compiler {_compiler(r)} |")
     lines += ["", "| cache | prefill tokens | piecewise ms | transformers ms (no cache) | dense MLA: absorbed ms | "
               "up-projected ms |", "|---|---|---|---|---|---|"]
     for r in result["prefill"]:
