@@ -389,3 +389,36 @@ def test_doctor_takes_the_splitting_ops_the_runner_will_be_given(tmp_path, capsy
     capsys.readouterr()
     assert main(["doctor", f"{target}:factory", "--splitting-ops", "doctor_tests::nope"]) == 2
     assert "not a registered op" in capsys.readouterr().err
+
+
+def test_cudnn_attention_in_the_profiled_run_is_named_with_the_fix() -> None:
+    """The doctor's eager run under the profiler: an op named as cuDNN's SDPA (here a labelled range, since a CPU
+    has no cuDNN attention) gives one warning naming both fixes; SDPA's CPU kernel gives none."""
+    from piecewise.diagnostics.attention_backends import CUDNN_ATTENTION, watch_cudnn_attention
+
+    q = torch.randn(1, 2, 4, 16)
+    with watch_cudnn_attention(True) as found:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert found == []
+    with watch_cudnn_attention(True) as found:
+        with torch.autograd.profiler.record_function(CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert len(found) == 1
+    assert "piecewise.kernels.attention.sdpa" in found[0] and "sdpa_kernel(" in found[0]
+    with watch_cudnn_attention(False) as found:  # a CPU model: no profiler
+        with torch.autograd.profiler.record_function(CUDNN_ATTENTION):
+            pass
+    assert found == []
+
+
+def test_the_cudnn_watch_leaves_a_running_profiler_alone() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from piecewise.diagnostics.attention_backends import watch_cudnn_attention
+
+    with profile(activities=[ProfilerActivity.CPU]) as outer:
+        with watch_cudnn_attention(True) as found:
+            torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+        torch.nn.functional.relu(torch.ones(2))
+    names = {event.name for event in outer.events()}
+    assert found == [] and {"aten::mm", "aten::relu"} <= names

@@ -31,6 +31,7 @@ from piecewise.diagnostics.blockers import (
     remembered,
     traced_regions,
 )
+from piecewise.diagnostics.attention_backends import watch_cudnn_attention
 from piecewise.diagnostics.classify import FIXES
 from piecewise.frontends.user_frames import chain_text, user_chain
 from piecewise.opaque import check_fakes, opaque_call_counts, opaque_op_info, resolve_splitting_ops
@@ -236,7 +237,8 @@ def _doctor(model: Any, args: tuple, kwargs: dict, splitting_ops: Any = None) ->
     reads = _outside_reads(model, splitting_ops)
     with torch.no_grad(), remembered():  # the trace's blockers, found once for the trials too
         try:
-            with reads or contextlib.nullcontext(), metadata:  # the metadata check sees each custom op first
+            with watch_cudnn_attention(_on_cuda(model)) as cudnn, reads or contextlib.nullcontext(), \
+                    metadata:  # the metadata check sees each custom op first
                 model(*args, **kwargs)
         except Exception as exc:
             raise RuntimeError(
@@ -273,7 +275,7 @@ def _doctor(model: Any, args: tuple, kwargs: dict, splitting_ops: Any = None) ->
                 breakable = _trial_capture(model, args, kwargs, "breakable_trial")
     return DoctorReport(blockers=blockers, trial_capture=trial is not None and _on_cuda(model),
                         first_call_checked=trial is not None, breakable_blockers=breakable,
-                        warnings=list(metadata.found.values()) + (
+                        warnings=list(metadata.found.values()) + cudnn + (
                             importlib.import_module("piecewise.runtime.op_reads").doctor_warnings(reads)
                             if reads is not None else []), size_notes=size_notes, auto=auto,
                         regions=regions if regions and breakable == [] else None)

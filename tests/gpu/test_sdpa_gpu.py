@@ -50,3 +50,37 @@ def test_sdpa_leaves_the_flag_as_it_found_it():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+class _Attends(torch.nn.Module):
+    """Decode-shaped attention over a fixed cache: [T, 512] → [T, 512], through ``attend``."""
+
+    def __init__(self, attend):
+        super().__init__()
+        self.proj = torch.nn.Linear(512, 512, bias=False)
+        self.register_buffer("keys", torch.randn(4, 256, 128))
+        self.attend = attend
+
+    def forward(self, x):
+        q = self.proj(x).view(-1, 4, 1, 128).transpose(0, 2)  # [1, 4, T, 128]
+        out = self.attend(q, self.keys[None], self.keys[None])
+        return out.transpose(0, 2).reshape(x.shape)
+
+
+def _runs_cudnn(model, x) -> bool:
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x)
+    return any(e.name == "aten::_scaled_dot_product_cudnn_attention" for e in prof.events())
+
+
+def test_the_doctor_names_cudnn_attention_exactly_when_it_runs():
+    import piecewise
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    for attend in (F.scaled_dot_product_attention, sdpa):
+        model = _Attends(attend).cuda().to(torch.bfloat16)
+        warned = [w for w in piecewise.doctor(model, x).warnings if "cuDNN backend" in w]
+        assert bool(warned) == _runs_cudnn(model, x), (attend.__name__, warned)
+        if attend is sdpa:
+            assert not warned
