@@ -1,5 +1,7 @@
 """transformers models under piecewise on CPU: tiny random GLM-MoE and Llama configs, no downloads."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -402,8 +404,12 @@ def test_transformers_own_cache_is_refused_naming_piecewises_cache_and_left_as_i
     ids = torch.randint(0, 128, (1, 7))
     runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, cache_dir=None))
     with torch.no_grad():
-        with pytest.raises(ForwardRefused, match=rf"past_key_values={kind}.*piecewise.generate"):
+        refusal = rf"past_key_values={kind} is transformers' own KV cache.*piecewise.generate"
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(ForwardRefused, match=refusal) as info:
+            warnings.simplefilter("always")
             runner(ids, past_key_values=cache, cache_position=torch.arange(7), use_cache=True)
+        # refused before any run: no retrace per run of a growing DynamicCache, each with its warning
+        assert info.value.kind == "state_update" and not [w for w in caught if "traced again" in str(w.message)]
         assert cache.get_seq_length() == 0
         logits = [model(ids, past_key_values=c, cache_position=torch.arange(7)).logits for c in (cache, fresh)]
         steps = [model(torch.tensor([[5]]), past_key_values=c, cache_position=torch.tensor([7])).logits

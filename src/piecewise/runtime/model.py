@@ -125,6 +125,7 @@ class PiecewiseModel(Core):
 
     def _prepare_with_hints(self, arguments: dict[str, Any]) -> None:
         try:
+            _refuse_transformers_caches(arguments)
             self._prepare_first(arguments)
         except ForwardRefused as exc:
             hinted = _with_hints(exc, arguments, self.arguments)
@@ -239,12 +240,31 @@ _ABOUT_ROWS = {BlockerKind.TOKEN_MIXING, BlockerKind.TOKEN_BRANCH, BlockerKind.T
 """Refusals about which rows are tokens: where ids were taken batch-first, the other reading is worth naming."""
 
 
+def _is_transformers_cache(value: Any) -> bool:
+    return any(cls.__module__.startswith("transformers.cache") for cls in type(value).__mro__[:-1])
+
+
+def _refuse_transformers_caches(arguments: dict[str, Any]) -> None:
+    """transformers' own cache object among the arguments: refused before any run. Its forward updates the object on
+    every run (a DynamicCache grows, a StaticCache counts its length), which the first call's several runs would
+    repeat; a DynamicCache also changed the trace's shapes at each run, each a new Dynamo trace and warning, before a
+    check refused it for a reason that named neither (42 s on a 2-layer model on a CPU)."""
+    names = [name for name, value in arguments.items() if _is_transformers_cache(value)]
+    if names:
+        given = ", ".join(f"{n}={type(arguments[n]).__name__}" for n in names)
+        raise ForwardRefused(
+            f"piecewise: {given} is transformers' own KV cache object, which the forward updates on every run "
+            f"(appending to it, or writing it and counting its length). The first call runs the forward several "
+            f"times (warm-up, checks, one run per capture size), and a captured graph would keep the cache's length "
+            f"at its capture.", BlockerKind.STATE_UPDATE.value, [])
+
+
 def _transformers_caches(arguments: dict[str, Any]) -> list[tuple[Any, dict]]:
     """transformers' cache objects among the arguments, each with a copy of its state as the caller made it (a
     refused first call puts it back: its runs would have left a DynamicCache three prefills long)."""
     import copy
 
-    caches = [value for value in arguments.values() if type(value).__module__.startswith("transformers.cache")]
+    caches = [value for value in arguments.values() if _is_transformers_cache(value)]
     with torch.inference_mode(False):  # ordinary tensors, as the caller's were
         return [(cache, copy.deepcopy(vars(cache))) for cache in caches]
 
@@ -259,7 +279,8 @@ def _with_hints(exc: ForwardRefused, arguments: dict[str, Any], binder: Any) -> 
                           if isinstance(arguments.get(name), torch.Tensor))
         notes.append(f"piecewise took {taken} as one sequence, the tokens in dimension 1 (ids shaped [1, n]); if "
                      f"dimension 0 carries the tokens, pass dynamic={{{', '.join(f'{n!r}: 0' for n in binder.dynamic)}}}.")
-    caches = [name for name, value in arguments.items() if type(value).__module__.startswith("transformers.cache")]
+    caches = [name for name, value in arguments.items()
+              if _is_transformers_cache(value)]
     if caches:
         notes.append(
             f"With transformers' own cache ({', '.join(f'{name}={type(arguments[name]).__name__}' for name in caches)}"
