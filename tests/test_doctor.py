@@ -422,3 +422,24 @@ def test_the_cudnn_watch_leaves_a_running_profiler_alone() -> None:
         torch.nn.functional.relu(torch.ones(2))
     names = {event.name for event in outer.events()}
     assert found == [] and {"aten::mm", "aten::relu"} <= names
+
+
+def test_the_doctor_warns_of_cudnn_attention_on_a_cuda_model_only(monkeypatch) -> None:
+    """``piecewise.doctor`` watches its eager run on a CUDA model (here a CPU model taken for one, whose forward marks
+    a range with cuDNN attention's op name): one warning; on a CPU model, none."""
+    import piecewise.diagnose
+    from piecewise.diagnostics.attention_backends import CUDNN_ATTENTION
+
+    class Labelled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autograd.profiler.record_function(CUDNN_ATTENTION):
+                return self.proj(x)
+
+    model, x = Labelled(), torch.randn(5, 8)
+    assert not [w for w in doctor(model, x).warnings if "cuDNN backend" in w]
+    monkeypatch.setattr(piecewise.diagnose, "_on_cuda", lambda model: True)
+    assert len([w for w in doctor(model, x).warnings if "cuDNN backend" in w]) == 1

@@ -409,7 +409,7 @@ def test_transformers_own_cache_is_refused_naming_piecewises_cache_and_left_as_i
             warnings.simplefilter("always")
             runner(ids, past_key_values=cache, cache_position=torch.arange(7), use_cache=True)
         # refused before any run: no retrace per run of a growing DynamicCache, each with its warning
-        assert info.value.kind == "state_update" and not [w for w in caught if "traced again" in str(w.message)]
+        assert info.value.kind == "transformers_cache" and not [w for w in caught if "traced again" in str(w.message)]
         assert cache.get_seq_length() == 0
         logits = [model(ids, past_key_values=c, cache_position=torch.arange(7)).logits for c in (cache, fresh)]
         steps = [model(torch.tensor([[5]]), past_key_values=c, cache_position=torch.tensor([7])).logits

@@ -31,6 +31,7 @@ class BlockerKind(str, enum.Enum):
     FOREIGN_REGION = "foreign_region"
     OUTPUT_OBJECT = "output_object"
     MODULE_HOOK = "module_hook"
+    TRANSFORMERS_CACHE = "transformers_cache"
 
     def __str__(self) -> str:
         return self.value

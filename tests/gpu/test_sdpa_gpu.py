@@ -39,6 +39,17 @@ def test_sdpa_equals_math_and_launches_no_cudnn_kernel(case):
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
+def test_sdpa_keeps_a_callers_choice_of_cudnn_alone():
+    """Inside ``sdpa_kernel([CUDNN_ATTENTION])`` leaving cuDNN out would leave no backend: the call is SDPA's own."""
+    name, args, kwargs = _cases()[0]
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = F.scaled_dot_product_attention(*(a.float() for a in args), **kwargs)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = sdpa(*args, **kwargs)
+        assert torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    assert torch.allclose(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_sdpa_leaves_the_flag_as_it_found_it():
     q = torch.randn(1, 2, 3, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError):

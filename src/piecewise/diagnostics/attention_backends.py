@@ -22,7 +22,7 @@ WARNING = (
     "prefill length, so a first call capturing 51 sizes spends seconds on it in every process. Call "
     "piecewise.kernels.attention.sdpa in place of F.scaled_dot_product_attention (FlashAttention or memory-efficient "
     "attention, whose first call at a shape takes 1-2 ms), or wrap the call in torch.nn.attention.sdpa_kernel("
-    "[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]).")
+    "[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]).")
 
 
 def cudnn_warnings(op_names: Iterable[str]) -> list[str]:

@@ -90,6 +90,12 @@ FIXES: dict[str, str] = {
         "cache use piecewise.generate, or integrations.token_model.TokenModel(integrations.transformers.enable(model)) "
         "with a cache from its make_kv_cache."
     ),
+    "transformers_cache": (
+        "piecewise serves a KV cache of its own, written at the real rows only: decode with "
+        "piecewise.generate(model, prompts), or integrations.token_model.TokenModel(integrations.transformers."
+        "enable(model)) with a cache from its make_kv_cache (one graph set for prefill and decode of many sequences). "
+        "For a forward without a cache, call with use_cache=False and no past_key_values."
+    ),
     "module_hook": (
         "Dynamo traces the compiled module's forward, not its call: hooks on the module itself (and global module "
         "hooks) would not run. Register the hook on a submodule, apply it to the runner's output, or use "

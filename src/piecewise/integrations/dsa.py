@@ -23,7 +23,6 @@ from torch import nn
 from ..context import context, redirect_padding
 from ..models.attention import cache_overflow_named
 from ..kernels import indexer as indexer_kernel
-from ..kernels.attention import sdpa
 from ..kernels.indexer import index_scores, index_scores_reference
 from ..opaque import opaque_op
 
@@ -125,7 +124,7 @@ def dsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         else:
             keys, values = k[picked[start:stop]], v[picked[start:stop]]
         visible = (key_positions[start:stop] <= positions[start:stop, None])[:, None, None, :]  # [t, 1, 1, K]
-        out.append(sdpa(  # per token: one query row per head over its K picks
+        out.append(F.scaled_dot_product_attention(  # per token: one query row per head over its K picks
             q[start:stop, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible,
             scale=scale)[:, :, 0])
     return (torch.cat(out) if len(out) > 1 else out[0]).to(q.dtype)

@@ -25,11 +25,11 @@ import sys
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..context import redirect_padding
 from ..kernels import latent_fp8
-from ..kernels.attention import sdpa
 from ..models.attention import cache_overflow_named
 from ..opaque import opaque_op
 from ..stored import stored_as
@@ -136,10 +136,11 @@ def up_projected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cac
         for start in range(0, index.numel(), QUERY_CHUNK):
             stop = min(start + QUERY_CHUNK, index.numel())
             if from_start and start == 0 and stop == length:  # the whole sequence from position 0: causal
-                part = sdpa(query[None], keys, values, is_causal=True, scale=scale)
+                part = F.scaled_dot_product_attention(query[None], keys, values, is_causal=True, scale=scale)
             else:
                 visible = torch.arange(length, device=at.device)[None, :] <= at[start:stop, None]
-                part = sdpa(query[None, :, start:stop], keys, values, attn_mask=visible, scale=scale)
+                part = F.scaled_dot_product_attention(query[None, :, start:stop], keys, values, attn_mask=visible,
+                                                      scale=scale)
             out[index[start:stop]] = part[0].transpose(0, 1)
     return out
 

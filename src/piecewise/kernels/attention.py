@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:
     import triton
@@ -35,18 +36,31 @@ BLOCK_N = 64
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with cuDNN's backend left out on CUDA (FlashAttention, then
-    memory-efficient attention, as torch orders them otherwise). torch picks cuDNN first on Hopper, and cuDNN
-    builds an execution plan for every new shape: 57-90 ms each on an H200 with torch 2.11 (110-434 ms for a
+    memory-efficient attention, then math, as torch orders them otherwise). torch picks cuDNN first on Hopper, and
+    cuDNN builds an execution plan for every new shape: 57-90 ms each on an H200 with torch 2.11 (110-434 ms for a
     prefill), against 0.7-1.9 ms for the others' first call (benchmarks/RESULTS.md, "cuDNN's attention plans"). A
-    capture over 51 batch sizes paid it 51 times, and a prefill pays it at every new prompt length. The switch is
-    torch's own global flag, set for this call only (1 µs on a 2-core CPU; the context manager costs 33)."""
-    if not query.is_cuda or not torch.backends.cuda.cudnn_sdp_enabled():
+    capture over 51 batch sizes paid it 51 times, and a prefill pays it at every new prompt length.
+
+    Eagerly, torch's own process-wide flag is turned off for this call only (1 µs on a 2-core CPU; the context
+    manager costs 33), so another thread's SDPA during the call runs without cuDNN too. Under Dynamo, which cannot
+    trace the flag, it is ``sdpa_kernel`` (traced as such). Where the caller left neither FlashAttention nor
+    memory-efficient attention enabled (``sdpa_kernel([CUDNN_ATTENTION])``), the call is SDPA's own."""
+    if not query.is_cuda:
         return F.scaled_dot_product_attention(query, key, value, **kwargs)
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    if torch.compiler.is_compiling():
+        with sdpa_kernel(_NOT_CUDNN):
+            return F.scaled_dot_product_attention(query, key, value, **kwargs)
+    backends = torch.backends.cuda
+    if not backends.cudnn_sdp_enabled() or not (backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled()):
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+    backends.enable_cudnn_sdp(False)
     try:
         return F.scaled_dot_product_attention(query, key, value, **kwargs)
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        backends.enable_cudnn_sdp(True)
+
+
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,

@@ -113,19 +113,15 @@ class PiecewiseModel(Core):
         return inner(self.model)(*args, **kwargs)
 
     def _prepare(self, arguments: dict[str, Any]) -> None:
-        kept = _transformers_caches(arguments)
         try:
+            _refuse_transformers_caches(arguments)  # before anything runs: nothing of the caller's to put back
             self._prepare_with_hints(arguments)
         except BaseException:
             self.arguments.forget_first()  # the next call is a first call again: its arguments decide afresh
-            for cache, state in kept:  # the first call's runs appended to it (or wrote inference tensors in)
-                vars(cache).clear()
-                vars(cache).update(state)
             raise
 
     def _prepare_with_hints(self, arguments: dict[str, Any]) -> None:
         try:
-            _refuse_transformers_caches(arguments)
             self._prepare_first(arguments)
         except ForwardRefused as exc:
             hinted = _with_hints(exc, arguments, self.arguments)
@@ -256,37 +252,21 @@ def _refuse_transformers_caches(arguments: dict[str, Any]) -> None:
             f"piecewise: {given} is transformers' own KV cache object, which the forward updates on every run "
             f"(appending to it, or writing it and counting its length). The first call runs the forward several "
             f"times (warm-up, checks, one run per capture size), and a captured graph would keep the cache's length "
-            f"at its capture.", BlockerKind.STATE_UPDATE.value, [])
-
-
-def _transformers_caches(arguments: dict[str, Any]) -> list[tuple[Any, dict]]:
-    """transformers' cache objects among the arguments, each with a copy of its state as the caller made it (a
-    refused first call puts it back: its runs would have left a DynamicCache three prefills long)."""
-    import copy
-
-    caches = [value for value in arguments.values() if _is_transformers_cache(value)]
-    with torch.inference_mode(False):  # ordinary tensors, as the caller's were
-        return [(cache, copy.deepcopy(vars(cache))) for cache in caches]
+            f"at its capture. Decode through piecewise's cache: piecewise.generate(model, prompts), or "
+            f"integrations.token_model.TokenModel(integrations.transformers.enable(model)) with a cache from its "
+            f"make_kv_cache (one graph set for prefill and decode of many sequences).",
+            BlockerKind.TRANSFORMERS_CACHE.value, [])
 
 
 def _with_hints(exc: ForwardRefused, arguments: dict[str, Any], binder: Any) -> ForwardRefused:
     """A first call's refusal, with what the caller may not know: the token dimension piecewise found by itself
-    where it took ids batch-first, and, given transformers' own cache object (``StaticCache``, ``DynamicCache``:
-    updated in place by the forward, read across the padded rows), how piecewise serves a KV cache instead."""
+    where it took ids batch-first."""
     notes = []
     if binder.moved and not binder.dynamic_given and exc.kind in _ABOUT_ROWS:
         taken = ", ".join(f"{name!r} {binder.user_shape(name, tuple(arguments[name].shape))}" for name in binder.moved
                           if isinstance(arguments.get(name), torch.Tensor))
         notes.append(f"piecewise took {taken} as one sequence, the tokens in dimension 1 (ids shaped [1, n]); if "
                      f"dimension 0 carries the tokens, pass dynamic={{{', '.join(f'{n!r}: 0' for n in binder.dynamic)}}}.")
-    caches = [name for name, value in arguments.items()
-              if _is_transformers_cache(value)]
-    if caches:
-        notes.append(
-            f"With transformers' own cache ({', '.join(f'{name}={type(arguments[name]).__name__}' for name in caches)}"
-            f"), decode through piecewise's: piecewise.generate(model, prompts), or "
-            f"integrations.token_model.TokenModel(integrations.transformers.enable(model)) with a cache from its "
-            f"make_kv_cache (one graph set for prefill and decode of many sequences).")
     if not notes:
         return exc
     return ForwardRefused(" ".join([str(exc), *notes]), exc.kind, exc.chain)
