@@ -69,10 +69,16 @@ class OutsideTensors:
     def _modules(self, refresh: bool) -> set[int]:
         """The model's tensors (kept on the front-end across runs; walked again where a tensor is not among them)."""
         if self.frontend.module_storages is None or refresh:
-            found = [t for module in self.frontend.model.modules() for t in _tensors(
-                {k: v for k, v in vars(module).items() if k != "_modules"})]
-            self.frontend.module_storages = {storage(t) for t in found if checkable(t)}
+            self.frontend.module_storages = module_storages(self.frontend.model)
         return self.frontend.module_storages
+
+
+def module_storages(model: torch.nn.Module) -> set[int]:
+    """The storages of the model's tensors: its parameters, buffers and tensor attributes (a KV cache kept on a
+    layer), at any depth of containers."""
+    found = [t for module in model.modules()
+             for t in _tensors({k: v for k, v in vars(module).items() if k != "_modules"})]
+    return {storage(t) for t in found if checkable(t)}
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

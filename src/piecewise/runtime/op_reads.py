@@ -35,9 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import _compat
-from ..capture.outputs import walk_tensors
-from ..frontends.breakable_outside import checkable, op_leaves
+from ..frontends.breakable_outside import checkable, module_storages, op_leaves
 from ..frontends.breakable_steps import storage as storage_of
 from ..frontends.user_frames import chain_text, innermost_user_frame, user_chain
 from ..graph.split import is_custom_op
@@ -257,9 +255,7 @@ def watching(model: torch.nn.Module, splitting: frozenset[str], always: bool = F
     """The mode to enter around the captures. The model's parameters, buffers and tensor attributes (a KV cache kept
     on its layer, as vLLM's) are its own state, known: parameters and buffers are watched on every call
     (``runtime/watch.py``). ``always``: every custom op's reads, captured or not (the doctor's eager run)."""
-    tensors = [*model.parameters(), *model.buffers()] + [t for m in model.modules() for _, t in walk_tensors(
-        {k: v for k, v in vars(m).items() if k not in _compat.MODULE_BOOKKEEPING}) if t is not None]
-    return Watch(set(_storages(tensors)), splitting, always)
+    return Watch(module_storages(model), splitting, always)
 
 
 def doctor_warnings(watch: Watch) -> list[str]:
