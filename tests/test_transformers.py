@@ -418,6 +418,32 @@ def test_transformers_own_cache_is_refused_naming_piecewises_cache_and_left_as_i
     torch.testing.assert_close(steps[0], steps[1])
 
 
+def test_a_cache_subclass_is_refused_and_a_cache_given_after_the_first_call_runs_the_models_own_forward():
+    """Any transformers cache class (here a user's subclass of DynamicCache) is refused at a first call; once a
+    first call without one has run, a call given one differs from it in an argument: the model's own forward serves
+    it, with a warning, and the cache is filled as an eager call fills it."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+
+    class MyCache(transformers.DynamicCache):
+        pass
+
+    ids = torch.randint(0, 128, (1, 7))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, cache_dir=None))
+    with torch.no_grad():
+        with pytest.raises(ForwardRefused, match="past_key_values=MyCache is transformers' own KV cache") as info:
+            runner(ids, past_key_values=MyCache(config=config), use_cache=True)
+        assert info.value.kind == "transformers_cache"
+        torch.testing.assert_close(runner(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+        mine, eager = MyCache(config=config), MyCache(config=config)
+        with pytest.warns(UserWarning, match="past_key_values"):
+            out = runner(ids, past_key_values=mine, use_cache=True).logits
+        torch.testing.assert_close(out, model(ids, past_key_values=eager, use_cache=True).logits)
+    assert mine.get_seq_length() == eager.get_seq_length() == 7 and runner.stats["eager_calls"] == 1
+
+
 def test_transformers_own_output_capturing_hooks_are_not_named():
     """transformers adds hooks to collect hidden states on the first call that asks for them; they only feed the
     output, which piecewise cuts and copies: no hook warning."""
