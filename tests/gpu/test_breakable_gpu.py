@@ -361,11 +361,11 @@ def test_first_use_host_work_at_each_size_fails_its_capture_then_runs_in_a_warm_
     assert failed or graph_mode != "piecewise", "no size met its first use in its capture: nothing was tested"
     retired = bool(failed) and work == "sync"
     warmed = sorted({MAX_TOKENS, *failed, *(size for size in sizes if retired and size <= failed[0])})
-    if graph_mode == "full_and_piecewise":  # the full graphs met every first use; the pieces warm as the pool says
-        runner.stats.expect(full_warmed_sizes=warmed, warmed_sizes=sizes if retired else [MAX_TOKENS])
+    if graph_mode == "full_and_piecewise":  # the full graphs met every first use and serve every size alone
+        runner.stats.expect(full_warmed_sizes=warmed, warmed_sizes=[], captured_sizes=[], full_only_sizes=sizes)
     else:
-        runner.stats.expect(warmed_sizes=warmed, full_warmed_sizes=[])
-    runner.stats.expect(frontend="breakable", captured_sizes=sizes, graph_mode=graph_mode,
+        runner.stats.expect(warmed_sizes=warmed, full_warmed_sizes=[], captured_sizes=sizes)
+    runner.stats.expect(frontend="breakable", graph_mode=graph_mode,
                         full_graphs=len(sizes) if graph_mode == "full_and_piecewise" else 0)
     assert len(runner.state.retired_pools) == int(retired)
     assert runner.stats["pool_bytes"] > 0

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import piecewise
+from piecewise.errors import ForwardRefused
 from piecewise.models import example
 from piecewise.models.decode import DecodeLlama
 from piecewise.models.llama import LlamaConfig
@@ -38,11 +39,10 @@ def test_decode_batches_replay_full_graphs_and_prefills_between_them_run_piecewi
             ref = model(ids, positions, reference)
             assert rel_error(out, ref) <= 1e-2 and rel_error(cache, reference) <= 1e-2, batch
             assert runner.stats["full_replays"] == replays + 1, "a decode batch replays one full graph"
-    # every call up to 16 tokens replays a full graph: no piecewise graph is captured (breakable captures them for
-    # its checks of the forward's Python across sizes)
-    full_only = [1, 2, 4, 8, 16] if frontend == "dynamo" else []
+    # every call up to 16 tokens replays a full graph: no piecewise graph is captured (breakable compares the full
+    # graphs' runs across sizes instead)
     runner.stats.expect(graph_mode="full_and_piecewise", cuda_graphs=True, full_sizes=[1, 2, 4, 8, 16],
-                        full_only_sizes=full_only, captured_sizes=[1, 2, 4, 8, 16] if not full_only else [])
+                        full_only_sizes=[1, 2, 4, 8, 16], captured_sizes=[])
     assert runner.stats["full_graphs"] == 5
 
 
@@ -64,7 +64,9 @@ def test_llama_mixed_prefill_and_decode_on_both_graph_families_equals_eager(fron
     stats = runner.stats
     assert stats["full_replays"] > 0 and stats["replays"] > 0 and stats["full_graphs"] == 4
     sizes = piecewise.CaptureConfig(max_tokens=64).sizes
-    full_only = [1, 2, 4, 8] if frontend == "dynamo" else []
+    # breakable keeps the piecewise graphs of 8: its run is what 16's is compared with (a path that depends on the
+    # token count between them)
+    full_only = [1, 2, 4, 8] if frontend == "dynamo" else [1, 2, 4]
     stats.expect(full_only_sizes=full_only, captured_sizes=[size for size in sizes if size not in full_only])
     report = runner.verify(ids, positions, cache)
     assert report.ok and [result.size for result in report.results] == sizes  # the full-only sizes too
@@ -85,12 +87,14 @@ class NotWholeForThree(torch.nn.Module):
         return self.down(not_whole_for_three(self.up(x)))
 
 
-def test_a_size_whose_every_call_a_full_graph_serves_gets_no_piecewise_graphs():
+@pytest.mark.parametrize("frontend", ["breakable", "dynamo"])
+def test_a_size_whose_every_call_a_full_graph_serves_gets_no_piecewise_graphs(frontend):
     """Size 4 pads calls of 3 and 4 tokens; the op runs whole for 4 but not for 3, so size 4 keeps its piecewise
-    graphs; sizes 1, 2 and 8 replay only their full graphs (Dynamo front-end: breakable captures every size)."""
+    graphs; sizes 1, 2 and 8 replay only their full graphs (8 is the largest size: no larger size's run is compared
+    with its piecewise run)."""
     torch.manual_seed(0)
     model = NotWholeForThree().cuda()
-    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
     with torch.no_grad():
         for tokens in (8, 1, 2, 3, 4, 5, 6, 7, 8):
             x = torch.randn(tokens, 16, device="cuda")
@@ -100,6 +104,40 @@ def test_a_size_whose_every_call_a_full_graph_serves_gets_no_piecewise_graphs():
             assert runner.stats["replays"] > replays, tokens
     runner.stats.expect(graph_mode="full_and_piecewise", full_sizes=[1, 2, 4, 8], full_only_sizes=[1, 2, 8],
                         captured_sizes=[4])
+
+
+@piecewise.opaque_op("full_graph_gpu_tests::whole_scale", split=True, capturable=True)
+def whole_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class BranchesOnTheCount(torch.nn.Module):
+    """Takes another path above 5 tokens: a call of 5 padded to 8 would take the path of 8."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = whole_scale(self.up(x))
+        if x.shape[0] > 5:
+            h = h.relu()
+        return self.down(h)
+
+
+@pytest.mark.parametrize("max_decode_batch", [8, 4])
+def test_breakable_compares_full_graph_runs_across_sizes_and_refuses_a_branch_on_the_count(max_decode_batch):
+    """Breakable captures no piecewise graphs for the sizes its full graphs serve alone, so its check of the
+    forward's path across sizes compares the full graphs' runs (8: every size is full-only), and, at the edge, the
+    piecewise runs of the largest full size and the next (4: 4 keeps its piecewise graphs for that)."""
+    torch.manual_seed(0)
+    model = BranchesOnTheCount().cuda()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, max_decode_batch=max_decode_batch,
+                                                              frontend="breakable"))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match="another path at 4 tokens than at 8") as info:
+        runner(torch.randn(8, 16, device="cuda"))
+    assert info.value.kind == "token_branch"
+    assert "full graphs are off" not in str(info.value)
 
 
 @piecewise.opaque_op("full_graphs_gpu::syncing_scale", split=True, capturable=True)

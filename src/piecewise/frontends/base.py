@@ -42,6 +42,10 @@ class Frontend(Protocol):
     replays_python: bool
     """Whether a replayed call runs the forward's Python (Dynamo's bytecode around the graphs) or none of it."""
 
+    def takes_op_watch(self, watch: Any) -> bool:
+        """Whether the front-end runs every op of the captures through ``watch`` (``op_reads.Watch.run``) itself,
+        so that the runtime does not enter it as a dispatch mode (None: the captures are over)."""
+
     def runs_custom_ops(self) -> bool:
         """Whether a custom op other than the splitting ops may run while the graphs capture (their reads are
         watched then: ``runtime/op_reads.py``); True where the front-end cannot tell."""

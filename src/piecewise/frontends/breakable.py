@@ -62,13 +62,18 @@ class BreakableFrontend:
         """Call site (kind, op, occurrence) → its ``SplitCall``, shared by every size."""
         self.kinds: dict[Any, str] = {}
         self.module_storages: set[int] | None = None
+        self.op_watch = None
+        """While the captures run: the watch of custom ops' reads, which the interceptor runs every op through
+        (``takes_op_watch``)."""
         self.survey: Survey | None = None
         self.surveying: dict[tuple, Observed] | None = None
-        self.logs: dict[tuple[int, bool], OpLog] = {}
-        self.runs: dict[tuple[int, bool], int] = {}
-        """The last logged run at each (size, whether it captured), while the first call prepares. Runs are compared
-        with runs of their kind only: code that checks ``torch.cuda.is_current_stream_capturing()`` (transformers'
-        masks) takes another path under capture, rightly."""
+        self.logs: dict[tuple[int, tuple[bool, bool]], OpLog] = {}
+        self.runs: dict[tuple[int, tuple[bool, bool]], int] = {}
+        """The last logged run at each (size, kind), while the first call prepares; a run's kind is (whether it
+        captured, whether it ran whole for a full graph). Runs are compared with runs of their kind only: code that
+        checks ``torch.cuda.is_current_stream_capturing()`` (transformers' masks) takes another path under capture,
+        rightly, and a full graph's run calls the splitting ops inline. The full graphs' runs stand for the sizes
+        they serve alone, whose piecewise graphs are not captured (``capture_sizes``)."""
         self.reads = AttributeReads(parts.model)
         self.graphs_allowed = True
         self.regions: Regions | None = None
@@ -145,14 +150,15 @@ class BreakableFrontend:
             self.logs.clear()
         capturing = call.phase is Phase.CAPTURE and self.graphs_allowed and state.graphs_enabled
         recording = Recording(call.size) if capturing else None
-        logged = state.preparing and self.surveying is None and not call.checked and not call.full
-        log = self._log(call.size, capturing) if logged else None
+        logged = state.preparing and self.surveying is None and not call.checked
+        kind = (capturing or call.full and _stream_capturing(), call.full)
+        log = self._log(call.size, kind) if logged else None
         # The probe of index bounds (runtime.bounds) goes outside: its own reads are not the forward's ops.
         with state.bounds if call.checked else contextlib.nullcontext(), \
                 self.interceptor(self, call.num_tokens, call.size, recording, log, self.surveying) as interceptor:
             output = interceptor.forward(arguments)
         if log is not None:
-            self._judge(log, call.size, capturing)
+            self._judge(log, call.size, kind)
         if self.surveying is None:
             dims = self._output_dims(output)
             note_output_dims(state, output, dims)
@@ -178,18 +184,18 @@ class BreakableFrontend:
 
     # --- runs compared while the first call prepares ------------------------------------------------------
 
-    def _log(self, size: int, capturing: bool) -> OpLog:
+    def _log(self, size: int, kind: tuple[bool, bool]) -> OpLog:
         """This run's log, compared with the last run of its kind at the same size, unless that was the first there
         (what a forward builds on first use, a table for a token count, is built in it), and with the last at the
         next larger capture size."""
         larger = next((s for s in self.ladder.sizes if s > size), None)
-        references = [(size, True)] if self.runs.get((size, capturing), 0) >= 2 else []
+        references = [(size, True)] if self.runs.get((size, kind), 0) >= 2 else []
         references.append((larger, False))
-        return OpLog([(s, same, self.logs[(s, capturing)]) for s, same in references if (s, capturing) in self.logs])
+        return OpLog([(s, same, self.logs[(s, kind)]) for s, same in references if (s, kind) in self.logs])
 
-    def _judge(self, log: OpLog, size: int, capturing: bool) -> None:
-        self.logs[(size, capturing)] = log
-        self.runs[(size, capturing)] = self.runs.get((size, capturing), 0) + 1
+    def _judge(self, log: OpLog, size: int, kind: tuple[bool, bool]) -> None:
+        self.logs[(size, kind)] = log
+        self.runs[(size, kind)] = self.runs.get((size, kind), 0) + 1
         for other, same, difference in log.finish():
             if same:
                 raise ForwardRefused(
@@ -216,6 +222,12 @@ class BreakableFrontend:
     def runs_custom_ops(self) -> bool:
         return True  # the forward's Python runs at every capture: any op may
 
+    def takes_op_watch(self, watch: Any) -> bool:
+        """Every op of a capture already passes through the interceptor: it runs them through ``watch`` itself, one
+        Python dispatch per op instead of two (None: the captures are over)."""
+        self.op_watch = watch
+        return True
+
     def check_state(self, arguments: dict[str, Any], full: bool) -> None:
         """Raise ``ValueError`` (``AttributeReads.check``) when an attribute the forward reads was assigned since the
         first call: graphs (full or piecewise) and padded runs would use what it held."""
@@ -231,3 +243,9 @@ class BreakableFrontend:
 
     def mixing_hint(self) -> tuple[str, list]:
         return "", []
+
+
+def _stream_capturing() -> bool:
+    """Whether the current stream captures a graph now (a full graph's run, which is padded, not captured by a
+    recording)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

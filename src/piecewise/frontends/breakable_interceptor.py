@@ -56,6 +56,7 @@ class Owner(Protocol):
     """Op overload → what the interceptor does with it (``_kind``), decided once per op."""
     module_storages: set[int] | None
     """Storages of the model's tensors, for ``OutsideTensors`` (None: not walked yet)."""
+    op_watch: Any  # the captures' watch of custom ops' reads (``runtime.op_reads.Watch``), or None
 
     def split_call(self, key: tuple, func: Any, call: Any, leaves: list, spec: Any, cut: bool) -> SplitCall: ...
 
@@ -96,6 +97,8 @@ class Interceptor(TorchDispatchMode):
         self.where = "the start of the forward"
         self.outside: OutsideTensors | None = None
         """While the first call's runs are checked: what the forward may read (``breakable_outside``)."""
+        self.watch = frontend.op_watch  # while capturing: each op through ``op_reads.Watch.run``, not a second mode
+        self.run_op = func_call if self.watch is None else self.watch.run
 
     def forward(self, arguments: dict[str, Any]) -> Any:
         if self.log is not None:
@@ -166,9 +169,8 @@ class Interceptor(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # No Dynamo-disabling wrapper around ``__torch_dispatch__``: it runs for every op of every size's forward,
-        # a sixth to a fifth of what the mode adds to it. (torch.compile'd code inside a splitting op runs compiled
-        # either way: a compiled function sets its own frame callback.)
+        # No Dynamo-disabling wrapper around ``__torch_dispatch__`` (a fifth of the mode's cost per op); compiled
+        # code inside a splitting op sets its own frame callback and runs compiled either way.
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -190,9 +192,11 @@ class Interceptor(TorchDispatchMode):
             kind = self.kinds[func] = _kind(func, self.frontend.splitting)
         if self.log is not None and not inside_region():
             self.log.add(func, args, kwargs)
-        if kind is _PLAIN:  # most ops: nothing to decide
+        if kind is _PLAIN and self.watch is None:  # most ops: nothing to decide
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
+        if kind is _PLAIN:
+            return self.watch.run(func, args, kwargs)
         if kind is _SPLIT:
             if self.full:  # inside a full graph: on the padded rows (the op reads the token mask)
                 return self._inline(func, args, kwargs)
@@ -206,7 +210,7 @@ class Interceptor(TorchDispatchMode):
                 self.log.stop()
         if kind is _WRITES:
             return self._write(func, args, kwargs)
-        return func(*args, **kwargs)
+        return self.run_op(func, args, kwargs)
 
     def _write(self, func, args: tuple, kwargs: dict) -> Any:
         written = written_tensors(func, args, kwargs)
@@ -231,7 +235,7 @@ class Interceptor(TorchDispatchMode):
                 "token_argument_write", user_chain(),
             )
         if not static:
-            return func(*args, **kwargs)
+            return self.run_op(func, args, kwargs)
         key = self._key("write", func._schema.name)
         if self.survey is not None:
             return self._observe(key, func, args, kwargs)
@@ -246,12 +250,11 @@ class Interceptor(TorchDispatchMode):
                                            f"static tensor outside a splitting op")
                 if self.full:  # no pad row: the write is exact inside the graph (``CaptureState.full_exact``)
                     self.state.full_exact = True
-                    return func(*args, **kwargs)
+                    return self.run_op(func, args, kwargs)
                 return self._run_split(split, leaves, f"`{func._schema.name}`")
-        return func(*args, **kwargs)
+        return self.run_op(func, args, kwargs)
 
-    def _key(self, kind: str, name: str) -> tuple:
-        """The call site: kind, op, and which call of that op in this run of the forward."""
+    def _key(self, kind: str, name: str) -> tuple:  # the call site: kind, op, which call of it in this run
         count = self.occurrences.get((kind, name), 0)
         self.occurrences[(kind, name)] = count + 1
         return kind, name, count
@@ -267,7 +270,7 @@ class Interceptor(TorchDispatchMode):
     def _inline(self, func, args: tuple, kwargs: dict) -> Any:
         if not captured_whole(func._schema.name):
             raise FullGraphRefused(f"`{func._schema.name}` at {_line()} cannot run inside a full graph")
-        return func(*args, **kwargs)
+        return self.run_op(func, args, kwargs)
 
     def _refuse_sync(self, func) -> None:
         self._abort()
@@ -326,6 +329,9 @@ class CompiledInterceptor(Interceptor):
     __torch_dispatch__ = torch.compiler.disable(Interceptor.__torch_dispatch__, recursive=True)
 
 
+def func_call(func, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
+
 def new_split_call(frontend: Owner, key: tuple, func, call, leaves: list, spec, cut: bool,
                    roles: Roles | None) -> SplitCall:
     """The ``SplitCall`` of a call site first seen: its roles from the survey, or by shape where it had none."""
@@ -368,8 +374,7 @@ def _masked(args: tuple) -> bool:
     return len(args) > 1 and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
 
 
-def _floating(args: tuple) -> bool:
-    """Whether the tensor an op reads back to the host holds floating-point values."""
+def _floating(args: tuple) -> bool:  # whether the tensor an op reads back to the host holds floating point
     return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
 
 

@@ -101,6 +101,9 @@ class DynamoFrontend:
             self.stats.direct_calls += 1
         return output
 
+    def takes_op_watch(self, watch: Any) -> bool:
+        return False  # compiled pieces dispatch their ops below any front-end code
+
     def runs_custom_ops(self) -> bool:
         # Python between graph breaks runs at capture too; else what the traced graphs call
         return bool(self.tracer.graph_breaks) or any(runner.custom_ops for runner in self.graph_runners)

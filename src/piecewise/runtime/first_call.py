@@ -192,8 +192,13 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
                 # what custom ops read that their graphs keep (``op_reads``)
                 watch = op_reads.watching(core.model, resolve_splitting_ops(core.config.splitting_ops)) \
                     if use_graphs and core.frontend.runs_custom_ops() else None
-                with watch if watch is not None else contextlib.nullcontext():
-                    capture_all(core, arguments, graphs=use_graphs)
+                folded = watch is not None and core.frontend.takes_op_watch(watch)
+                try:
+                    with watch if watch is not None and not folded else contextlib.nullcontext():
+                        capture_all(core, arguments, graphs=use_graphs)
+                finally:
+                    if folded:
+                        core.frontend.takes_op_watch(None)
                 core.state.outside_reads = op_reads.settle(watch) if watch is not None else []
                 core.stats.outside_reads = [str(read) for read in core.state.outside_reads]
                 clock.lap("capture")

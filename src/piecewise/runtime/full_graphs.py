@@ -23,6 +23,7 @@ from ..capture.outputs import output_tensors
 from ..capture.segment import Segment
 from ..capture.state import Call, Phase
 from ..context import ForwardContext, forward_context
+from ..errors import BlockerKind, ForwardRefused
 from ..opaque import opaque_op_info
 from .model_state import model_state, writable
 from .verify import rel_error, tolerance
@@ -182,14 +183,14 @@ class FullGraphs:
                 try:
                     segment, output = self._capture_size(arguments, rows, size, warm)
                 except Exception as exc:  # noqa: BLE001 - retried after a padded run, as ever
-                    if warm or isinstance(exc, torch.OutOfMemoryError):
+                    if warm or isinstance(exc, torch.OutOfMemoryError) or _compared(exc):
                         raise
                     logger.info("piecewise: the full graph of %d tokens failed without a padded run before it (%s); "
                                 "running it padded and capturing again", size,
                                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                     segment, output = self._capture_size(arguments, rows, size, warm=True)
             except Exception as exc:  # noqa: BLE001 - whatever stops a whole-forward capture turns the family off
-                if isinstance(exc, torch.OutOfMemoryError):
+                if isinstance(exc, torch.OutOfMemoryError) or _compared(exc):
                     raise
                 self.refuse(f"the forward cannot be captured whole at {size} tokens: {exc}")
                 return
@@ -245,6 +246,13 @@ class FullGraphs:
         self.outputs.clear()
         self.output_dims.clear()
         self.runner.stats.full_graphs = 0
+
+
+def _compared(exc: Exception) -> bool:
+    """Whether a full graph's run was refused by its comparison with other runs (breakable's ``frozen_value`` and
+    ``token_branch``): the forward's Python, not the whole-forward capture, is at fault, and its piecewise graphs
+    would be refused as well."""
+    return isinstance(exc, ForwardRefused) and exc.kind in (BlockerKind.FROZEN_VALUE, BlockerKind.TOKEN_BRANCH)
 
 
 def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int) -> None:

@@ -193,13 +193,17 @@ class Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.is_custom(func) and (self.always or _capturing()):
-            result = self.inside(func, args, kwargs, set())
-        else:
-            result = func(*args, **kwargs)
+        result = self.run(func, args, kwargs)
         if self.always:  # the doctor's one run: what the forward made (and may keep in a global) is not news
             self.known.update(_storages(result))
         return result
+
+    def run(self, func, args: tuple, kwargs: dict) -> Any:
+        """One op of the forward: a custom op captured into a graph (or, ``always``, any custom op) under ``_Inside``,
+        any other as it is. Breakable's interceptor calls this itself, in place of a second mode on the stack."""
+        if self.is_custom(func) and (self.always or _capturing()):
+            return self.inside(func, args, kwargs, set())
+        return func(*args, **kwargs)
 
     def inside(self, func, args: tuple, kwargs: dict, local: set[int]) -> Any:
         """Run a custom op's kernel below the Python key, so that its own ops dispatch anew, through ``_Inside``
