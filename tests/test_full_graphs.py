@@ -4,6 +4,8 @@ runs padded without graphs, with the splitting ops on the padded rows, exactly a
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -161,6 +163,45 @@ def test_an_op_that_accepts_only_some_calls_sends_the_others_piecewise():
         assert runner.stats["full_calls"] == calls + 1
         runner(torch.randn(3, 8))  # pads to 4: the op refuses, piecewise serves it
         assert runner.stats["full_calls"] == calls + 1
+
+
+@piecewise.opaque_op("full_graph_tests::masked_mix", split=True, capturable=True)
+def masked_mix(x: torch.Tensor) -> torch.Tensor:
+    return x + x.sum(0)  # every row's sum: the caller zeroes the pad rows first
+
+
+class ReadsTheTokenMask(torch.nn.Module):
+    """Zeroes the pad rows itself, outside the splitting op, with ``context().token_mask`` (None outside a full
+    graph): the mask is the runtime's, refilled before every replay, not a tensor frozen from outside."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.linear(x)
+        ctx = piecewise.context()
+        if ctx is not None and ctx.token_mask is not None:
+            h = torch.where(ctx.token_mask[:, None], h, 0)
+        return self.linear(masked_mix(h))
+
+
+def test_breakable_keeps_the_full_graphs_of_a_forward_that_reads_the_token_mask_itself():
+    """Breakable checks what its full graphs' runs read from outside the forward's arguments and the model: the
+    runtime's own mask is not such a tensor. (Under Dynamo the mask, as long as the padded size, would specialise
+    the trace to one count.)"""
+    frontend = "breakable"
+    torch.manual_seed(0)
+    model = ReadsTheTokenMask().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for tokens in (3, 1, 2, 3, 5, 7, 8):
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))
+    assert not [str(w.message) for w in caught if "full graphs are off" in str(w.message)]
+    runner.stats.expect(graph_mode="full_and_piecewise", frontend=frontend)
+    assert runner.stats["full_calls"] == 7  # every call, the first one too
 
 
 @piecewise.opaque_op("full_graph_tests::careless_mix", split=True, capturable=True)

@@ -97,6 +97,8 @@ class FullGraphs:
         self._ladder_sizes = -1
         self.mask = torch.zeros(config.max_tokens, dtype=torch.bool, device=device)
         self.positions = torch.arange(config.max_tokens, device=device)
+        # refilled before every replay: the forward may read the mask (``context().token_mask``) anywhere
+        self.runner.state.buffer_storages.update(t.untyped_storage().data_ptr() for t in (self.mask, self.positions))
         self.masks = {size: self.mask[:size] for size in self.sizes}
 
     def settle(self, graph_breaks: bool) -> None:
@@ -249,9 +251,10 @@ class FullGraphs:
 
 
 def _compared(exc: Exception) -> bool:
-    """Whether a full graph's run was refused by its comparison with other runs (breakable's ``frozen_value`` and
-    ``token_branch``): the forward's Python, not the whole-forward capture, is at fault, and its piecewise graphs
-    would be refused as well."""
+    """Whether a full graph's run (its capture, or the padding check's padded run) was refused by breakable's checks
+    of its runs (``frozen_value``: a value differs between runs or is read from outside; ``token_branch``): the
+    forward's Python, not the whole-forward capture, is at fault, and its piecewise graphs would be refused as
+    well. Raised as it is, not turned into "full graphs are off"."""
     return isinstance(exc, ForwardRefused) and exc.kind in (BlockerKind.FROZEN_VALUE, BlockerKind.TOKEN_BRANCH)
 
 
@@ -271,6 +274,8 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
         padded = full.run(arguments, tokens, size, rehearsal=True)
         padded = runner.finish(padded, tokens, size, clone=True)  # each output cut along its own token dimension
     except Exception as exc:  # noqa: BLE001 - an op refusing the padded rows (FullGraphRefused, its own check)
+        if _compared(exc):
+            raise
         full.refuse(f"the forward padded from {tokens} to {size} tokens for a full graph fails: {exc}")
         return
     finally:
