@@ -3,8 +3,9 @@ to end): a padded run before the first size's capture only (every size's with te
 size's second try where its first failed (host work at a first use: a tuning sync, a table upload). Full graphs come first; a size whose every call their graph serves gets
 no piecewise graphs (``stats["full_only_sizes"]``): they would never replay. Where the front-end's checks compare
 its runs across sizes (``Frontend.runs_every_size``: breakable's ``token_branch``), the full graphs' runs are
-compared among themselves, and the largest size they serve alone keeps its piecewise graphs: its run is the one the
-next size's piecewise run is compared with. Without CUDA graphs such a front-end runs each size once."""
+compared among themselves, and a size they serve alone keeps its piecewise graphs where the next size has
+piecewise graphs: its run is the one the next size's piecewise run is compared with. Without CUDA graphs such a
+front-end runs each size once."""
 
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ def capture_all(core: Core, arguments: dict[str, Any], graphs: bool) -> None:
         try:
             core.full.capture(arguments, tokens, advance, warm_each)
             served = [size for below, size in zip([0, *sizes], sizes) if core.full.serves_every_call(size, below)]
-            if core.frontend.runs_every_size and served and served[-1] != sizes[-1]:
-                served.pop()  # its piecewise run is what the next size's run is compared with (``token_branch``)
+            if core.frontend.runs_every_size:  # a size below a piecewise one keeps its piecewise run to compare with
+                above = dict(zip(sizes, [*sizes[1:], None]))
+                served = [size for size in served if above[size] is None or above[size] in served]
             core.stats.full_only_sizes = served
             sizes = [size for size in sizes if size not in served]  # never replayed: not captured
             for _ in served:
