@@ -1,12 +1,13 @@
 """What the first call of ``F.scaled_dot_product_attention`` at a new shape costs, per backend, on CUDA.
 
-    PYTHONPATH=src python benchmarks/sdpa_backends.py
+    PYTHONPATH=src python benchmarks/sdpa_backends.py [--mla]
 
 torch orders cuDNN first on Hopper; cuDNN builds an execution plan for every new shape. Rows: the bundled L16
 decode attention's shapes ([B, 4, 4, 128] queries over [B, 4, 1024, 128] keys) at half of vLLM's ladder per
 backend (the first and second call at each new B, synchronised), then a causal prefill [1, 32, T, 64] and a masked
 call [4, 8, T/4, 128] over T keys at 12 new lengths each, torch's default against ``kernels.attention.sdpa``
-(cuDNN left out), and the host time of one decode-shaped call of each. Prints its rows.
+(cuDNN left out), and the host time of one decode-shaped call of each. ``--mla``: MLA's up-projected prefill
+shapes instead (``mla_prefill``, ``mla_prompts``). Prints its rows.
 """
 
 from __future__ import annotations
@@ -71,6 +72,69 @@ def new_lengths() -> None:
               f"sdpa() {ms['sdpa()']:.1f} ms", flush=True)
 
 
+def mla_prefill() -> None:
+    """MLA's up-projected prefill (``integrations.mla``): queries and keys of 192 (128 + 64 rotary), values of 128,
+    64 heads, causal: the first call at a new length and the steady time of each backend FlashAttention does not
+    take (other widths), at lengths met in serving."""
+    random.seed(1)
+    lengths = random.sample(range(100, 4000), 8)
+
+    def make(t):
+        q = torch.randn(1, 64, t, 192, device="cuda", dtype=torch.bfloat16)
+        return q, torch.randn_like(q), torch.randn(1, 64, t, 128, device="cuda", dtype=torch.bfloat16)
+
+    for label, backends in (("default", None), ("efficient", [SDPBackend.EFFICIENT_ATTENTION]),
+                            ("cudnn", [SDPBackend.CUDNN_ATTENTION])):
+        with sdpa_kernel(backends) if backends else torch.autograd.profiler.record_function("default"):
+            calls = [make(t) for t in lengths]
+            first = sum(_timed(lambda a=a: F.scaled_dot_product_attention(*a, is_causal=True)) for a in calls)
+            steady = []
+            for t in (512, 2048, 8192):
+                a = make(t)
+                F.scaled_dot_product_attention(*a, is_causal=True)
+                steady.append(min(_timed(lambda: F.scaled_dot_product_attention(*a, is_causal=True))
+                                  for _ in range(10)) * 1e3)
+        print(f"MLA prefill [1, 64, T, 192/128], {label}: first call per new length "
+              f"{first / len(calls) * 1e3:.1f} ms; steady at T = 512 / 2048 / 8192: "
+              + " / ".join(f"{ms:.3f}" for ms in steady) + " ms", flush=True)
+
+
+def mla_prompts() -> None:
+    """Prompts of 60 new lengths (1025-4000 tokens, one sequence from position 0) through MLA's up-projected prefill
+    (``integrations.mla.up_projected_attention``: 64 heads, latent 512, rotary 64, values 128) with its lengths
+    padded to ``plan_length`` (on Hopper by default) and without: the seconds the 60 first calls take, and the
+    steady time of one call at 2000 tokens."""
+    from piecewise.integrations import mla
+
+    heads, nope, rope, latent, width = 64, 128, 64, 512, 128
+    cache = torch.randn(1, 4096, latent + rope, device="cuda", dtype=torch.bfloat16)
+    w_uk = torch.randn(heads, nope, latent, device="cuda", dtype=torch.bfloat16) / 20
+    w_uv = torch.randn(heads, width, latent, device="cuda", dtype=torch.bfloat16) / 20
+    random.seed(2)
+    lengths = random.sample(range(1025, 4001), 120)
+    original = mla.pads_for_plans
+
+    def call(t):
+        q_nope = torch.randn(t, heads, nope, device="cuda", dtype=torch.bfloat16)
+        q_rope = torch.randn(t, heads, rope, device="cuda", dtype=torch.bfloat16)
+        rows = torch.zeros(t, dtype=torch.long, device="cuda")
+        return lambda: mla.up_projected_attention(q_nope, q_rope, cache, rows, torch.arange(t, device="cuda"), 0.1,
+                                                  w_uk, w_uv)
+
+    for label, pads, part in (("padded to plan_length", original, lengths[:60]),
+                              ("unpadded", lambda tensor: False, lengths[60:])):
+        mla.pads_for_plans = pads
+        try:
+            first = sum(_timed(call(t)) for t in part)
+            fn = call(2000)
+            fn()
+            steady = min(_timed(fn) for _ in range(10)) * 1e3
+        finally:
+            mla.pads_for_plans = original
+        print(f"MLA up-projected prefill, {label}: 60 new prompt lengths {first:.2f} s in all; one call at 2000 "
+              f"tokens {steady:.3f} ms", flush=True)
+
+
 def host_time() -> None:
     q = torch.randn(8, 4, 4, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(8, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
@@ -85,7 +149,13 @@ def host_time() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
     print(torch.__version__, torch.cuda.get_device_name())
+    if "--mla" in sys.argv:
+        mla_prefill()
+        mla_prompts()
+        sys.exit()
     decode_shapes()
     new_lengths()
     host_time()

@@ -169,6 +169,44 @@ def test_long_dense_calls_up_project_the_latent_rows_and_equal_transformers(name
     assert taken == [15] * model.config.num_hidden_layers + [4] * model.config.num_hidden_layers
 
 
+def test_plan_lengths_are_few_per_octave_and_at_least_the_length():
+    lengths = [mla.plan_length(n) for n in range(1, 20000)]
+    assert all(p >= n for n, p in zip(range(1, 20000), lengths))
+    assert all(p - n <= max(63, n // 16) for n, p in zip(range(1, 20000), lengths))
+    assert len({p for p in lengths if 1024 < p <= 2048}) == 16 and len({p for p in lengths if 4096 < p <= 8192}) == 16
+
+
+@pytest.mark.parametrize("chunk", [4096, 7])
+def test_up_projected_prefill_padded_to_plan_lengths_equals_it_unpadded(chunk, monkeypatch):
+    """Where SDPA would build a cuDNN plan per shape, the up-projected prefill pads its keys (zero latent rows) and
+    queries to ``plan_length``: the whole sequence from position 0 (causal), a continuation over earlier rows and
+    queries in chunks (masked: ``QUERY_CHUNK`` at 7), three sequences in one call; the real rows are as unpadded."""
+    torch.manual_seed(0)
+    heads, nope, rope, latent, width = 4, 16, 8, 32, 16
+    cache = torch.randn(3, 160, latent + rope)
+    w_uk, w_uv = torch.randn(heads, nope, latent) / 6, torch.randn(heads, width, latent) / 6
+    slots = torch.cat([torch.zeros(70, dtype=torch.long), torch.ones(30, dtype=torch.long), torch.full((9,), 2)])
+    positions = torch.cat([torch.arange(70), torch.arange(100, 130), torch.tensor([3, 40, 41, 42, 60, 61, 62, 63, 64])])
+    q_nope, q_rope = torch.randn(len(slots), heads, nope), torch.randn(len(slots), heads, rope)
+    monkeypatch.setattr(mla, "QUERY_CHUNK", chunk)
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(mla.F, "scaled_dot_product_attention", lambda q, k, v, **kw: seen.append(
+        (q.shape[2], k.shape[2])) or sdpa(q, k, v, **kw))
+
+    def run(pads):
+        monkeypatch.setattr(mla, "pads_for_plans", lambda tensor: pads)
+        seen.clear()
+        return mla.up_projected_attention(q_nope, q_rope, cache, slots, positions, 0.3, w_uk, w_uv), list(seen)
+
+    (plain, shapes), (padded, padded_shapes) = run(False), run(True)
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+    assert len(padded_shapes) == len(shapes) == (3 if chunk == 4096 else 10 + 5 + 2)
+    assert all(k == mla.plan_length(n) and q == (k if q0 == n else mla.plan_length(q0))
+               for (q, k), (q0, n) in zip(padded_shapes, shapes)), (padded_shapes, shapes)
+    assert any(k > n for (_, k), (_, n) in zip(padded_shapes, shapes)), "nothing was padded: nothing was tested"
+
+
 def test_a_long_dsa_call_whose_queries_pick_every_earlier_key_takes_the_dense_path(monkeypatch):
     """GLM-5 with 4 picks and ``UP_PROJECT_TOKENS`` at 2: a 4-token prefill (no query has more than 4 earlier keys:
     each picks them all) is dense attention and up-projects; an 11-token prefill attends over the picks in the

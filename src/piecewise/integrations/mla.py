@@ -127,6 +127,9 @@ def up_projected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cac
         length = int(at.max()) + 1
         kept = layer_cache[slot, :length]
         kept = latent_fp8.dequantize_rows(kept, latent, q_nope.dtype) if is_fp8_cache(kept) else kept.to(q_nope.dtype)
+        padded = plan_length(length) if pads_for_plans(q_nope) else length
+        if padded > length:
+            kept = F.pad(kept, (0, 0, 0, padded - length))  # zero rows past the sequence: keys no query sees
         keys = torch.cat([torch.einsum("sr,hnr->hsn", kept[:, :latent], w_uk),
                           kept[None, :, latent:].expand(heads, -1, -1)], dim=-1)  # [H, S, nope + P]
         values = torch.einsum("sr,hvr->hsv", kept[:, :latent], w_uv)  # [H, S, v]
@@ -135,14 +138,37 @@ def up_projected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cac
         keys, values = keys[None], values[None]  # 4-D: SDPA's fused kernels take nothing else
         for start in range(0, index.numel(), QUERY_CHUNK):
             stop = min(start + QUERY_CHUNK, index.numel())
-            if from_start and start == 0 and stop == length:  # the whole sequence from position 0: causal
-                part = F.scaled_dot_product_attention(query[None], keys, values, is_causal=True, scale=scale)
+            causal = from_start and start == 0 and stop == length  # the whole sequence from position 0
+            count = stop - start
+            height = count if padded == length else padded if causal else plan_length(count)
+            chunk, seen = query[:, start:stop], at[start:stop]
+            if height > count:  # zero queries, dropped after; a padded row sees key 0 alone (none sees no key)
+                chunk, seen = F.pad(chunk, (0, 0, 0, height - count)), F.pad(seen, (0, height - count))
+            if causal:
+                part = F.scaled_dot_product_attention(chunk[None], keys, values, is_causal=True, scale=scale)
             else:
-                visible = torch.arange(length, device=at.device)[None, :] <= at[start:stop, None]
-                part = F.scaled_dot_product_attention(query[None, :, start:stop], keys, values, attn_mask=visible,
-                                                      scale=scale)
-            out[index[start:stop]] = part[0].transpose(0, 1)
+                visible = torch.arange(padded, device=at.device)[None, :] <= seen[:, None]
+                part = F.scaled_dot_product_attention(chunk[None], keys, values, attn_mask=visible, scale=scale)
+            out[index[start:stop]] = part[0, :, :count].transpose(0, 1)
     return out
+
+
+def plan_length(n: int) -> int:
+    """``n`` rounded up to one of 16 lengths per octave (at most 1/16 more, in steps of 64 at least): the lengths
+    SDPA sees in ``up_projected_attention`` where ``pads_for_plans``."""
+    step = max(64, 1 << max(n.bit_length() - 5, 0))
+    return -(-n // step) * step
+
+
+def pads_for_plans(tensor: torch.Tensor) -> bool:
+    """Whether up-projected prefills pad their lengths (``plan_length``): where torch sends SDPA to cuDNN first
+    (Hopper and later, cuDNN's backend on), which builds an execution plan at every new shape, 186 ms each for
+    MLA's prefill shapes on an H200 against 0.2-2.2 ms for the call itself, so that each new prompt length paid
+    it once (benchmarks/RESULTS.md, "MLA's prefill and cuDNN's plans"). FlashAttention does not take MLA's widths
+    (keys of 192, values of 128) and memory-efficient attention is 3-4x slower there, so cuDNN stays, over fewer
+    shapes: at most 1/16 more rows, masked or causal as before."""
+    return tensor.is_cuda and torch.backends.cuda.cudnn_sdp_enabled() and \
+        torch.cuda.get_device_capability(tensor.device)[0] >= 9
 
 
 def _rotary(module: nn.Module):
