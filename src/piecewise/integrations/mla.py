@@ -121,13 +121,14 @@ def up_projected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cac
     tokens, heads, nope = q_nope.shape
     latent = w_uk.shape[2]
     out = q_nope.new_empty(tokens, heads, w_uv.shape[1])
+    pads = pads_for_plans(q_nope)
     for slot in torch.unique(rows).tolist():
         index = (rows == slot).nonzero().squeeze(1)
         at = positions[index]
         length = int(at.max()) + 1
         kept = layer_cache[slot, :length]
         kept = latent_fp8.dequantize_rows(kept, latent, q_nope.dtype) if is_fp8_cache(kept) else kept.to(q_nope.dtype)
-        padded = plan_length(length) if pads_for_plans(q_nope) else length
+        padded = plan_length(length) if pads else length
         if padded > length:
             kept = F.pad(kept, (0, 0, 0, padded - length))  # zero rows past the sequence: keys no query sees
         keys = torch.cat([torch.einsum("sr,hnr->hsn", kept[:, :latent], w_uk),
@@ -140,7 +141,7 @@ def up_projected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cac
             stop = min(start + QUERY_CHUNK, index.numel())
             causal = from_start and start == 0 and stop == length  # the whole sequence from position 0
             count = stop - start
-            height = count if padded == length else padded if causal else plan_length(count)
+            height = (padded if causal else plan_length(count)) if pads else count
             chunk, seen = query[:, start:stop], at[start:stop]
             if height > count:  # zero queries, dropped after; a padded row sees key 0 alone (none sees no key)
                 chunk, seen = F.pad(chunk, (0, 0, 0, height - count)), F.pad(seen, (0, height - count))
