@@ -98,7 +98,6 @@ class Interceptor(TorchDispatchMode):
         self.outside: OutsideTensors | None = None
         """While the first call's runs are checked: what the forward may read (``breakable_outside``)."""
         self.watch = frontend.op_watch  # while capturing: each op through ``op_reads.Watch.run``, not a second mode
-        self.run_op = func_call if self.watch is None else self.watch.run
 
     def forward(self, arguments: dict[str, Any]) -> Any:
         if self.log is not None:
@@ -211,6 +210,9 @@ class Interceptor(TorchDispatchMode):
         if kind is _WRITES:
             return self._write(func, args, kwargs)
         return self.run_op(func, args, kwargs)
+
+    def run_op(self, func, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs) if self.watch is None else self.watch.run(func, args, kwargs)
 
     def _write(self, func, args: tuple, kwargs: dict) -> Any:
         written = written_tensors(func, args, kwargs)
@@ -328,9 +330,6 @@ class CompiledInterceptor(Interceptor):
     # its own frame callback and runs compiled.)
     __torch_dispatch__ = torch.compiler.disable(Interceptor.__torch_dispatch__, recursive=True)
 
-
-def func_call(func, args: tuple, kwargs: dict) -> Any:
-    return func(*args, **kwargs)
 
 def new_split_call(frontend: Owner, key: tuple, func, call, leaves: list, spec, cut: bool,
                    roles: Roles | None) -> SplitCall:
