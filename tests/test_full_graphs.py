@@ -204,6 +204,31 @@ def test_breakable_keeps_the_full_graphs_of_a_forward_that_reads_the_token_mask_
     assert runner.stats["full_calls"] == 7  # every call, the first one too
 
 
+BIAS_OF_FULL_CALLS = torch.ones(8)
+
+
+class ReadsAGlobalInFullCalls(ReadsTheTokenMask):
+    """Reads a global tensor only on the path of full-graph calls (where the token mask is set)."""
+
+    def forward(self, x):
+        h = self.linear(x)
+        ctx = piecewise.context()
+        if ctx is not None and ctx.token_mask is not None:
+            h = h + BIAS_OF_FULL_CALLS
+        return self.linear(masked_mix(h))
+
+
+def test_breakable_refuses_a_global_tensor_read_only_on_the_full_graphs_path():
+    """A full graph would keep reading the global where the first call found it, after the caller replaced it:
+    breakable checks its full-graph runs as it checks its piecewise ones, and refuses, naming the line."""
+    runner = piecewise.compile(ReadsAGlobalInFullCalls().eval(), piecewise.CaptureConfig(max_tokens=8,
+                                                                                          frontend="breakable"))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"`add` at .*h \+ BIAS_OF_FULL_CALLS.* reads a tensor of "
+                                                          r"shape \(8,\) that is neither an argument") as info:
+        runner(torch.randn(3, 8))
+    assert info.value.kind == "frozen_value"
+
+
 @piecewise.opaque_op("full_graph_tests::careless_mix", split=True, capturable=True)
 def careless_mix(x: torch.Tensor) -> torch.Tensor:
     return x + x.sum(0)  # ignores the token mask: the pad rows reach every real row
