@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .capture.segment import stream_capturing
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,7 +70,7 @@ def fake_mismatch(name: str, op: Callable, args: tuple, kwargs: dict, result: An
     """The fake of op ``name`` against ``result`` (the op's outputs for ``args``/``kwargs``); None inside a CUDA
     graph capture (checked at a later call). A fake that cannot run on meta tensors (a data-dependent size) goes
     unchecked."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if stream_capturing():
         return None
     try:
         fake = op(*_meta(args), **{key: _meta(value) for key, value in kwargs.items()})

@@ -115,12 +115,8 @@ def whole_scale(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
-class BranchesOnTheCount(torch.nn.Module):
+class BranchesOnTheCount(NotWholeForThree):
     """Takes another path above 5 tokens: a call of 5 padded to 8 would take the path of 8."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
 
     def forward(self, x):
         h = whole_scale(self.up(x))

@@ -47,6 +47,11 @@ that is not capturing fails ("Offset increment outside graph capture"); a runner
 draw one (a sampling op), or replay while the other captures. Uncontended it costs a fraction of a microsecond."""
 
 
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph now (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class Segment:
     """One CUDA graph between two eager calls, recorded into ``state.pool``."""
 

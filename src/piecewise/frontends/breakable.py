@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..capture.outputs import output_tensors
+from ..capture.segment import stream_capturing
 from ..capture.splitcall import SplitCall
 from ..capture.state import Phase
 from ..errors import ForwardRefused
@@ -151,7 +152,7 @@ class BreakableFrontend:
         capturing = call.phase is Phase.CAPTURE and self.graphs_allowed and state.graphs_enabled
         recording = Recording(call.size) if capturing else None
         logged = state.preparing and self.surveying is None and not call.checked
-        kind = (capturing or call.full and _stream_capturing(), call.full)
+        kind = (capturing or call.full and stream_capturing(), call.full)  # a full graph captures without a recording
         log = self._log(call.size, kind) if logged else None
         # The probe of index bounds (runtime.bounds) goes outside: its own reads are not the forward's ops.
         with state.bounds if call.checked else contextlib.nullcontext(), \
@@ -243,9 +244,3 @@ class BreakableFrontend:
 
     def mixing_hint(self) -> tuple[str, list]:
         return "", []
-
-
-def _stream_capturing() -> bool:
-    """Whether the current stream captures a graph now (a full graph's run, which is padded, not captured by a
-    recording)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..capture.segment import stream_capturing
 from ..frontends.breakable_outside import checkable, module_storages, op_leaves
 from ..frontends.breakable_steps import storage as storage_of
 from ..frontends.user_frames import chain_text, innermost_user_frame, user_chain
@@ -159,10 +160,6 @@ def _path_text(path: tuple, roots: dict | None) -> str:
     return text + "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in steps)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _storages(value: Any) -> list[int]:
     """The storages of the plain tensors among an op's arguments or results."""
     return [storage_of(t) for t in op_leaves(value) if isinstance(t, torch.Tensor) and checkable(t)]
@@ -201,7 +198,7 @@ class Watch(TorchDispatchMode):
     def run(self, func, args: tuple, kwargs: dict) -> Any:
         """One op of the forward: a custom op captured into a graph (or, ``always``, any custom op) under ``_Inside``,
         any other as it is. Breakable's interceptor calls this itself, in place of a second mode on the stack."""
-        if self.is_custom(func) and (self.always or _capturing()):
+        if self.is_custom(func) and (self.always or stream_capturing()):
             return self.inside(func, args, kwargs, set())
         return func(*args, **kwargs)
 
