@@ -43,7 +43,7 @@ class Reads(torch.nn.Module):
 
 
 def _watched(model, x, monkeypatch):
-    monkeypatch.setattr(op_reads, "_capturing", lambda: True)
+    monkeypatch.setattr(op_reads, "stream_capturing", lambda: True)
     watch = op_reads.watching(model, frozenset({"piecewise_reads::split_reader"}))
     with torch.inference_mode(), watch:
         model(x)
