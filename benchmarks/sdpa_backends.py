@@ -7,7 +7,8 @@ decode attention's shapes ([B, 4, 4, 128] queries over [B, 4, 1024, 128] keys) a
 backend (the first and second call at each new B, synchronised), then a causal prefill [1, 32, T, 64] and a masked
 call [4, 8, T/4, 128] over T keys at 12 new lengths each, torch's default against ``kernels.attention.sdpa``
 (cuDNN left out), and the host time of one decode-shaped call of each. ``--mla``: MLA's up-projected prefill
-shapes instead (``mla_prefill``, ``mla_prompts``). Prints its rows.
+shapes instead (``mla_prefill``, ``mla_prompts``); ``--dsa``: DSA's attention over per-head picks (``dsa_picks``).
+Prints its rows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from piecewise.kernels.attention import sdpa
 
+STEADY = (1, 2, 3, 4, 6, 8, 12, 21)
 LADDER = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
 
 
@@ -135,6 +137,33 @@ def mla_prompts() -> None:
               f"tokens {steady:.3f} ms", flush=True)
 
 
+def dsa_picks() -> None:
+    """DSA's attention over per-head keys (``integrations.dsa.dsa_attention``, the cache without latent rows): per
+    token one query row per head over its 2048 picked keys, GLM-5's 64 heads of 192, a mask [t, 1, 1, 2048]; its
+    chunks hold at most 21 tokens at these shapes (``dsa._chunks``). The first call at each chunk height 1-21, and
+    the steady time at 1, 8 and 21 tokens, torch's default against ``kernels.attention.sdpa`` (cuDNN left out)."""
+    heads, width, picks = 64, 192, 2048
+
+    def make(t):
+        q = torch.randn(t, heads, 1, width, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(t, heads, picks, width, device="cuda", dtype=torch.bfloat16)
+        visible = torch.rand(t, 1, 1, picks, device="cuda") < 0.9
+        return q, k, k, visible
+
+    for label, fn, heights in (("default", F.scaled_dot_product_attention, range(1, 22, 2)),
+                               ("sdpa (no cuDNN)", sdpa, range(2, 22, 2))):
+        first = [_timed(lambda a=make(t): fn(a[0], a[1], a[2], attn_mask=a[3], scale=0.1)) for t in heights]
+        steady = []
+        for t in STEADY:
+            a = make(t)
+            fn(a[0], a[1], a[2], attn_mask=a[3], scale=0.1)
+            steady.append(min(_timed(lambda: fn(a[0], a[1], a[2], attn_mask=a[3], scale=0.1))
+                              for _ in range(10)) * 1e3)
+        print(f"DSA picks [t, 64, 1, 192] over [t, 64, 2048, 192], {label}: first call per new height "
+              f"{sum(first) / len(first) * 1e3:.1f} ms (max {max(first) * 1e3:.1f}); steady at t = " + " / ".join(map(str, STEADY)) + ": "
+              + " / ".join(f"{ms:.3f}" for ms in steady) + " ms", flush=True)
+
+
 def host_time() -> None:
     q = torch.randn(8, 4, 4, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(8, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
@@ -152,6 +181,9 @@ if __name__ == "__main__":
     import sys
 
     print(torch.__version__, torch.cuda.get_device_name())
+    if "--dsa" in sys.argv:
+        dsa_picks()
+        sys.exit()
     if "--mla" in sys.argv:
         mla_prefill()
         mla_prompts()

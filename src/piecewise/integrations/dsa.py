@@ -23,6 +23,7 @@ from torch import nn
 from ..context import context, redirect_padding
 from ..models.attention import cache_overflow_named
 from ..kernels import indexer as indexer_kernel
+from ..kernels.attention import sdpa
 from ..kernels.indexer import index_scores, index_scores_reference
 from ..opaque import opaque_op
 
@@ -124,10 +125,18 @@ def dsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         else:
             keys, values = k[picked[start:stop]], v[picked[start:stop]]
         visible = (key_positions[start:stop] <= positions[start:stop, None])[:, None, None, :]  # [t, 1, 1, K]
-        out.append(F.scaled_dot_product_attention(  # per token: one query row per head over its K picks
+        attend = F.scaled_dot_product_attention if stop - start <= CUDNN_TOKENS else sdpa
+        out.append(attend(  # per token: one query row per head over its K picks
             q[start:stop, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible,
             scale=scale)[:, :, 0])
     return (torch.cat(out) if len(out) > 1 else out[0]).to(q.dtype)
+
+
+CUDNN_TOKENS = 2
+"""Chunks of at most this many tokens keep torch's SDPA order (cuDNN first on Hopper), taller ones leave cuDNN out
+(``kernels.attention.sdpa``). cuDNN builds a plan at each new height (65-210 ms on an H200, against 1 ms), and at
+GLM-5's shapes is faster at 1-2 tokens (0.10 against 0.18 ms), within 7% at 3-4 and slower from 6 (8: 0.33
+against 0.29 ms): two plans, not one per height (``benchmarks/sdpa_backends.py --dsa``)."""
 
 
 def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None,
