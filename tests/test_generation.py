@@ -217,6 +217,54 @@ def test_disable_gives_transformers_its_own_attention_back_after_generate():
     assert piecewise.generate(model, [prompt], 4, stop_tokens=())[0].tolist() == expected.tolist()
 
 
+def test_attention_set_back_with_transformers_own_api_is_refused_with_a_cache_and_enabled_again_by_generate():
+    """``set_attn_implementation("sdpa")`` after ``enable`` (not ``disable``): transformers' attention never reads
+    piecewise's KV cache, so ``TokenModel`` refuses one, naming enable; ``generate`` enables the model again."""
+    from piecewise.integrations.transformers import TokenModel
+
+    model = build("Llama")
+    prompt = torch.randint(2, 250, (7,), generator=torch.Generator().manual_seed(4))
+    expected = transformers_greedy(model, [prompt], [4], eos=None)[0]
+    assert piecewise.generate(model, [prompt], 4, stop_tokens=())[0].tolist() == expected.tolist()
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match=r"transformers' 'sdpa' now .*enable\(model\) again"):
+        TokenModel(model)(prompt, torch.arange(7), TokenModel(model).make_kv_cache(max_seq_len=16))
+    assert piecewise.generate(model, [prompt], 4, stop_tokens=())[0].tolist() == expected.tolist()
+
+
+def test_generations_of_one_model_in_two_threads_take_turns_and_a_nested_one_is_refused():
+    """The runner and KV cache kept on a model serve one generation at a time: two threads' generations each
+    get transformers' tokens (before, both put their sequences in slots 0, 1, ... of the one cache); a
+    generation started while this thread's stream of the same model is open is refused, not deadlocked."""
+    import threading
+
+    model = build("Llama", seed=2)
+    generator = torch.Generator().manual_seed(2)
+    batches = [[torch.randint(2, 250, (n,), generator=generator) for n in lengths] for lengths in ((5, 9), (7, 3))]
+    expected = [transformers_greedy(model, prompts, [6, 6], eos=None) for prompts in batches]
+    config = piecewise.CaptureConfig(max_tokens=8)
+    piecewise.generate(model, batches[0], 6, stop_tokens=(), config=config)  # the runner and its cache, made once
+    got = [None, None]
+
+    def generate(index):
+        got[index] = piecewise.generate(model, batches[index], 6, stop_tokens=(), config=config)
+
+    threads = [threading.Thread(target=generate, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for tokens, want in zip(got, expected):
+        assert [t.tolist() for t in tokens] == [w.tolist() for w in want]
+    stream = piecewise.generate_stream(model, batches[0], 6, stop_tokens=(), config=config)
+    next(stream)
+    with pytest.raises(RuntimeError, match=r"still open in this thread.*close\(\) the stream first"):
+        piecewise.generate(model, batches[1], 6, stop_tokens=(), config=config)
+    stream.close()
+    assert [t.tolist() for t in piecewise.generate(model, batches[1], 6, stop_tokens=(), config=config)] == \
+        [w.tolist() for w in expected[1]]
+
+
 def test_prefill_calls_past_the_graphs_top_that_finish_no_prompt_give_transformers_tokens():
     """Prefill calls longer than the graphs' top run the model directly with the output head on the rows that
     finish a prompt: a call that finishes none (a long prompt's first chunks) has no such row."""

@@ -358,3 +358,52 @@ def test_a_forward_that_differs_from_itself_is_not_refused_for_the_paddings_doin
     with torch.no_grad(), caplog.at_level(logging.INFO, logger="piecewise.runtime.checks"):
         assert runner(torch.randn(5, 8)).shape == (5, 8)
     assert "gives other results on a repeat of the same padded run" in caplog.text
+
+
+class PrefillOrDecode(nn.Module):
+    """gpt-fast's shape (ids [1, S]): a prefill attends among the call's own tokens, a decode step over the cache.
+    Dynamo's trace of a prompt holds for more than one token, so it pads one-token steps to 2 (the prefill path);
+    at the prompt's first position both paths see one key alike, at its last they do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.wqkv = nn.Linear(8, 24, bias=False)
+        self.register_buffer("k_cache", torch.zeros(1, 16, 8))
+        self.register_buffer("v_cache", torch.zeros(1, 16, 8))
+        self.register_buffer("causal", torch.tril(torch.ones(16, 16, dtype=torch.bool)))
+
+    def forward(self, idx, input_pos):
+        q, k, v = self.wqkv(self.embed(idx)).split(8, -1)
+        self.k_cache[:, input_pos] = k
+        self.v_cache[:, input_pos] = v
+        if idx.shape[1] > 1:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=self.causal[input_pos])
+        return y + q
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "auto"])
+def test_a_prefill_and_a_decode_path_chosen_by_the_count_is_refused_by_dynamo_and_served_right_by_auto(frontend):
+    torch.manual_seed(0)
+    model = PrefillOrDecode().eval()
+    reference = PrefillOrDecode().eval()
+    reference.load_state_dict(model.state_dict())
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    prompt = torch.randint(0, 32, (1, 7))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # auto: Dynamo refuses the branch and says so
+        if frontend == "dynamo":
+            with pytest.raises(ForwardRefused, match=r"row 6 of the first call.*if idx\.shape\[1\] > 1") as refused:
+                runner(prompt, torch.arange(7))
+            assert refused.value.kind == "token_branch"
+            return
+        torch.testing.assert_close(runner(prompt, torch.arange(7)), reference(prompt, torch.arange(7)))
+        token = prompt[:, -1:]
+        for position in range(7, 11):
+            got, want = runner(token, torch.tensor([position])), reference(token, torch.tensor([position]))
+            torch.testing.assert_close(got, want)
+            token = want[..., :1].argmax(-1) % 32
+    torch.testing.assert_close(model.k_cache, reference.k_cache)
+    assert runner.stats["frontend"] == "breakable"

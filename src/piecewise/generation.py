@@ -17,6 +17,8 @@ An engine's scheduler, paged memory and serving are out of scope.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +32,27 @@ from .config import CaptureConfig
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """model → {(config fields): (TokenModel, runner)}: one compile per model and settings."""
+_BUSY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model → [lock, thread generating]: the runner and KV cache kept on a model serve one generation at a time."""
+_BUSY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _generating(model: nn.Module):
+    """Hold ``model``'s generation lock: another thread's generation waits for this one (both would put their
+    sequences in the same slots of the one cache); a second one in this thread, while its stream is open, is
+    refused (it would wait for itself)."""
+    with _BUSY_LOCK:
+        entry = _BUSY.setdefault(model, [threading.Lock(), None])
+    if entry[1] == threading.get_ident():
+        raise RuntimeError("piecewise.generate: a generate_stream of this model is still open in this thread, and "
+                           "both would use the one KV cache kept on the model: exhaust or close() the stream first")
+    with entry[0]:
+        entry[1] = threading.get_ident()
+        try:
+            yield
+        finally:
+            entry[1] = None
 
 
 @dataclass
@@ -52,10 +75,11 @@ def _runner(model: nn.Module, config: CaptureConfig, max_seq: int, sequences: in
     ``sequences`` slots: the last ones made, or (the runner's graphs read the cache in place) a new runner over a
     new cache twice as long."""
     from . import compile as compile_model
+    from .integrations.dsa import ATTENTION
     from .integrations.transformers import TokenModel, enable
 
-    if getattr(model, "_piecewise_call", None) is None:  # never enabled, or disable()d since
-        enable(model)
+    if getattr(model, "_piecewise_call", None) is None or model.config._attn_implementation != ATTENTION:
+        enable(model)  # never enabled, disable()d since, or transformers' attention set again (set_attn_implementation)
     runners = _RUNNERS.setdefault(model, {})
     key = repr(config)
     made = runners.get(key)
@@ -150,6 +174,13 @@ def generate_stream(model: nn.Module, prompts: Sequence[torch.Tensor], max_new_t
 
 def _stream(model, prompts, limits, temperature, top_k, top_p, seed, stop_tokens, max_batch, prefill_tokens,
             config) -> Iterator[tuple[int, int]]:
+    with _generating(model):
+        yield from _generation(model, prompts, limits, temperature, top_k, top_p, seed, stop_tokens, max_batch,
+                               prefill_tokens, config)
+
+
+def _generation(model, prompts, limits, temperature, top_k, top_p, seed, stop_tokens, max_batch, prefill_tokens,
+                config) -> Iterator[tuple[int, int]]:
     device = next(model.parameters()).device
     slots_count = min(max_batch, len(prompts))
     config = config or CaptureConfig(max_tokens=max(max_batch, 512))  # longer prefill calls run without graphs

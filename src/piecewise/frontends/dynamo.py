@@ -164,8 +164,8 @@ class DynamoFrontend:
                 and not self.state.capture_done:
             # The trace assumes more than one token (a broadcasting check in indexing or copy_, DeepSeek-V3's
             # key assembly): one-token calls are padded to the next size instead, where the graph is valid.
-            condition, where, _ = failures[0]
-            self.ladder.drop_one(f"the trace assumes more than one token (`{condition}` at {where})")
+            assumed = "; ".join(dict.fromkeys(f"`{condition}` at {where}" for condition, where, _ in failures[:3]))
+            self.ladder.drop_one(f"the trace assumes more than one token ({assumed})")
             logger.info("piecewise: %s", self.ladder.notes[-1])
             return
         if failures:

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..kernels.attention import one_layout_per_call
 from . import kv_cache as cache_layout
+from .dsa import ATTENTION
 
 
 class TokenModel(nn.Module):
@@ -41,6 +42,13 @@ class TokenModel(nn.Module):
                                  "piecewise.integrations.transformers.enable(model) before TokenModel(model)")
             return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
                               **keep).logits[0]
+        attention = getattr(self.model.config, "_attn_implementation", ATTENTION)
+        if extra and attention != ATTENTION:  # set_attn_implementation(...) since enable(): the cache goes unread
+            raise ValueError(
+                f"TokenModel got a KV cache, but the model's attention is transformers' {attention!r} now "
+                f"(set_attn_implementation or config._attn_implementation changed it after enable()), which never "
+                f"reads the cache: decode steps would see their own token only. Call "
+                f"piecewise.integrations.transformers.enable(model) again, or use transformers' own generate")
         if kv_cache is not None:
             cache_layout.check_cache(self.model, kv_cache, slots)
         call.clear()

@@ -245,19 +245,24 @@ def check_one_token(core: Core, arguments: dict[str, Any]) -> None:
         return
     size = core.ladder.sizes[0]
     given = core.arguments.given_tokens(arguments)
-    one = core.arguments.leading(arguments, 1)
-    staged = core.stager.stage(one, given, 1, size)
-    padded = core.finish(core.run_call(Call(Phase.PADDED, size, 1), staged, rehearsal=True), 1, size, clone=True)
-    with forward_context(1, 1, rehearsal=True):
-        exact = core.model(**one)  # the model's own forward on the real row (it writes what the padded call wrote)
-    for got, want in zip(output_tensors(padded), output_tensors(exact)):
-        if not rel_error(got, want) <= tolerance(want.dtype):
-            raise ForwardRefused(
-                f"piecewise: a call of 1 token padded to {size} differs from the model's own 1-token result "
-                f"({rel_error(got, want):.1e}): {core.ladder.notes[0]}, and the forward's numbers depend on that. It "
-                f"branches on the token count: move the branch out of forward, or make the code that depends on the "
-                f"count a splitting op (piecewise.opaque_op(..., split=True)).",
-                "token_branch")
+    tokens = core.arguments.token_count(arguments)
+    # The first token and the last: at the first position a decode over a cache and a prefill among the call's own
+    # tokens see the same single key, so a branch between them (gpt-fast's ``if seqlen > 1``) shows at the last.
+    for row in (0, tokens - 1) if tokens > 1 else (0,):
+        one = {**arguments, **{name: arguments[name][row:row + 1] for name in given}}
+        staged = core.stager.stage(one, given, 1, size)
+        padded = core.finish(core.run_call(Call(Phase.PADDED, size, 1), staged, rehearsal=True), 1, size, clone=True)
+        with forward_context(1, 1, rehearsal=True):
+            exact = core.model(**one)  # the model's own forward on the real row (it writes what the padded call wrote)
+        for got, want in zip(output_tensors(padded), output_tensors(exact)):
+            if not rel_error(got, want) <= tolerance(want.dtype):
+                raise ForwardRefused(
+                    f"piecewise: a call of 1 token (row {row} of the first call) padded to {size} differs from the "
+                    f"model's own 1-token result ({rel_error(got, want):.1e}): {core.ladder.notes[0]}, and the "
+                    f"forward's numbers depend on that. It branches on the token count: move the branch out of "
+                    f"forward (a runner per path), or make the code that depends on the count a splitting op "
+                    f"(piecewise.opaque_op(..., split=True)).",
+                    "token_branch")
 
 
 def _fingerprint(value: Any) -> Any:
