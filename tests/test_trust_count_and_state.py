@@ -137,6 +137,22 @@ def test_a_class_default_flag_assigned_after_the_first_call_is_refused_by_breaka
         _calls(model, runner, [5, 1, 3], flip_at=2)
 
 
+def test_a_method_patched_on_an_instance_after_the_first_call_is_refused_by_breakable():
+    """``layer.post_attention = patched`` after the first call: breakable's replays would go on running the
+    method of the capture (on a GPU its graphs served the old method, 0.74 off). Named with the line that calls
+    it; Dynamo's guards see it and run the model's own forward."""
+    torch.manual_seed(0)
+    model = TinyLlama(CONFIG).eval()
+    runner = piecewise.compile(model, _config("breakable"))
+    cache = model.make_kv_cache()
+    with torch.no_grad():
+        runner(torch.randint(0, CONFIG.vocab_size, (5,)), torch.arange(5), cache)
+        model.layers[0].post_attention = lambda x, attended: x
+        with pytest.raises(ValueError, match=r"`layers\.0\.post_attention` was assigned after the first call, and "
+                                             r"the forward reads it at .*self\.post_attention\("):
+            runner(torch.randint(0, CONFIG.vocab_size, (3,)), torch.arange(5, 8), cache)
+
+
 class Lengths:
     """Attention metadata as engines pass it: a Python length that changes every step."""
 

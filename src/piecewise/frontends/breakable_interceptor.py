@@ -232,8 +232,9 @@ class Interceptor(TorchDispatchMode):
         if any(self.frontend.stager.owns(t) for t in written):
             raise ForwardRefused(
                 f"piecewise: `{func.overloadpacket.__name__}` at {_line()} writes in place into a token argument. "
-                f"Token arguments are copied into padded buffers on every call, so the write would be lost: compile "
-                f"with dynamic={{...}} naming only the real token arguments.",
+                f"Token arguments are copied into padded buffers on every call, so the write would be lost. State "
+                f"kept across calls: compile with dynamic={{...}} naming only the real token arguments; tokens (a "
+                f"pipeline stage's hidden states): write into a copy (`x = x.clone()` first) and return it.",
                 "token_argument_write", user_chain(),
             )
         if not static:

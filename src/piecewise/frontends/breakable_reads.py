@@ -10,6 +10,7 @@ replay raise, naming the attribute and the line that reads it.
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ def _reading_class(cls: type, settings: bool = False) -> type:
             value = cls.__getattribute__(self, name) if settings else object.__getattribute__(self, name)
             own = name in object.__getattribute__(self, "__dict__")
             if (type(value) in _PLAIN and own and bool(_RECORDING)) if settings else (
-                    name not in _compat.MODULE_BOOKKEEPING and (own or (type(value) in _PLAIN
+                    name not in _compat.MODULE_BOOKKEEPING and (own or (type(value) in _CLASS_DEFAULTS
                                                                       and not name.startswith("__")))):
                 key = (id(self), name)
                 if key not in _RECORDING[-1] and not _inside_opaque_op():
@@ -70,7 +71,9 @@ def _inside_opaque_op() -> bool:
 
 _RECORDING: list[dict] = []
 _PLAIN = (bool, int, float, str, type(None))
-"""Values a class attribute may hold that an instance's assignment overrides as a flag or a setting."""
+_CLASS_DEFAULTS = (*_PLAIN, types.MethodType)
+"""What the class gives an instance that an instance's assignment overrides: a flag or a setting's default, a
+method (``layer.post_attention = patched``: replays would go on running the method of the capture)."""
 
 
 class AttributeReads:

@@ -242,7 +242,8 @@ def refuse_token_argument_writes(graph: torch.fx.GraphModule, token_inputs: list
             f"takes for a token argument (its dimension 0 has the call's token count). Token arguments are "
             f"copied into padded buffers on every call, so the write would be lost. If it is state kept "
             f"across calls (a cache whose first dimension happens to equal the token count), compile with "
-            f"dynamic={{...}} naming only the real token arguments.",
+            f"dynamic={{...}} naming only the real token arguments. If it carries tokens (a pipeline stage's "
+            f"hidden states), write into a copy (`x = x.clone()` first in forward) and return it.",
             "token_argument_write", node_stack(writer),
         )
 
