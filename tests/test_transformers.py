@@ -120,6 +120,29 @@ def test_a_dense_llama_runs_through_the_same_attention():
     assert runner.stats["pieces"] == 3
 
 
+@pytest.mark.parametrize("frontend", ["breakable", "dynamo"])
+def test_a_first_call_under_autocast_equals_transformers_own_attention_under_autocast(frontend):
+    """Under ``torch.autocast`` rotary leaves queries and keys in float32 and values in bfloat16; the piecewise
+    attention takes them in autocast's dtype, as SDPA does (before, its op's fake disagreed with the op and the
+    first call was refused, blaming piecewise's own op). A prompt and decode steps through the cache, each equal to
+    transformers' SDPA attention over the whole sequence under the same autocast."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 128, (9,))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(input_ids=ids[None], use_cache=False).logits[0]
+    token_model = TokenModel(enable(model))
+    cache = token_model.make_kv_cache(max_seq_len=16)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = [runner(ids[:6], torch.arange(6), cache)]
+        got += [runner(ids[p:p + 1], torch.tensor([p]), cache) for p in range(6, 9)]
+    torch.testing.assert_close(torch.cat(got).float(), expected.float(), rtol=3e-2, atol=3e-2)
+
+
 def test_batches_are_refused_with_the_remedy():
     model = enable(glm_moe())
     with pytest.raises(ValueError, match="one sequence .*TokenModel"):

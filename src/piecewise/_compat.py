@@ -384,3 +384,12 @@ class Addresses:
         if self.check is not None:
             return self.check(self.tensors, self.pointers, self.indices)
         return not self.tensors or self.tensors[0].data_ptr() == self.pointers[0]
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def autocast_off():
+    """Autocast off where any is on (an opaque op's body: under autocast an SDPA inside would give bfloat16 from
+    float32 inputs, which its fake, from the inputs, does not say; torch's custom ops are opaque to autocast)."""
+    return torch._C._DisableAutocast() if torch._C._is_any_autocast_enabled() else _NO_CONTEXT

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .errors import FakeMismatch
 from .fakes import FakeCheck, contiguous_outputs, fake_mismatch
 
@@ -113,9 +114,7 @@ def op_name(target: Any) -> str | None:
     """``"ns::name"`` of an FX node target that is a torch op (overload packet or overload), else None."""
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name
-    return None
+    return target._qualified_op_name if isinstance(target, torch._ops.OpOverloadPacket) else None
 
 
 def _qualify(name: str) -> str:
@@ -184,7 +183,8 @@ def _register(
 
     def body(*args, **kwargs):
         info.eager_calls += 1  # a counter and two compares: the runtime calls this between pieces on every step
-        result = impl(*args, **kwargs)
+        with _compat.autocast_off():  # the outputs' dtypes follow the inputs, as the fake says; eager alike
+            result = impl(*args, **kwargs)
         if info.fake is None and (check := fake_mismatch(qualified, op, args, kwargs, result)) is not None:
             info.fake, info.contiguous = check, check.contiguous
         return contiguous_outputs(result) if info.contiguous else result

@@ -90,6 +90,9 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     return attend(q, cache[0], cache[1], positions, scale, slots, window, softcap)
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention interface: q [1, Hq, T, D], k / v [1, Hkv, T, D] → ([1, T, Hq, D], None).
     Sliding windows (``sliding_window``) and logit softcapping (``softcap``) are computed; attention sinks
@@ -124,6 +127,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     call = {**getattr(module, "_piecewise_call", {}), **kwargs}  # TokenModel's call arguments (enable()'s dict)
     kv_cache = call.get("piecewise_kv_cache")
+    if torch.is_autocast_enabled(q.device.type):  # rotary leaves q, k in float32: one dtype, autocast's as SDPA's
+        dtype = kv_cache.dtype if kv_cache is not None and kv_cache.dtype in _FLOATS else \
+            torch.get_autocast_dtype(q.device.type)  # (or the cache's, which is written and read whole)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     if kv_cache is None and k.shape[0] != q.shape[0]:  # keys from transformers' own cache: not aligned by position
         raise ValueError(
             f"{type(module).__name__} got {k.shape[0]} keys for {q.shape[0]} queries: the model was called with "
