@@ -79,11 +79,24 @@ def test_missing_subcommand_and_unknown_options_exit_2(capsys: pytest.CaptureFix
 def test_console_entry_runs_as_a_process() -> None:
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(
-        [sys.executable, "-m", "piecewise.cli", "doctor", target("jit_model")],
+        [sys.executable, "-m", "piecewise", "doctor", target("jit_model")],
         capture_output=True, text=True, env=env, cwd=HERE, timeout=120,
     )
     assert result.returncode == 1, result.stderr
     assert "jit_subprocess" in result.stdout
+    chain = result.stdout[result.stdout.index("call chain"):]
+    assert "blocker_models.py" in chain and "cli.py" not in chain and "__main__" not in chain  # forward first
+
+
+def test_a_factory_that_raises_names_its_line_and_an_output_folder_that_is_missing_is_a_usage_error(
+        tmp_path, capsys: pytest.CaptureFixture) -> None:
+    factory = tmp_path / "broken.py"
+    factory.write_text("def settings():\n    return {}\n\n\ndef factory():\n    return settings()['tokenz']\n")
+    assert main(["run", f"{factory}:factory"]) == 2
+    assert re.search(r"factory\(\) raised KeyError: 'tokenz' at .*broken.py:6 \(`return settings\(\)\['tokenz'\]`\)",
+                     capsys.readouterr().err)
+    assert main(["verify", target("clean_model"), "--json", str(tmp_path / "missing" / "x.json")]) == 2
+    assert "the folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "no/such/file.py:factory"], ["doctor", "no-colon"]])

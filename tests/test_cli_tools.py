@@ -52,6 +52,10 @@ def test_bench_of_a_factory_takes_its_inputs_at_each_token_count(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--modes", "fastest"], r"unknown mode\(s\) \['fastest'\]; the modes: dynamo, dynamo\+full, dynamo\+inductor"),
     (["--decode", "1,x"], r"--decode takes comma-separated token counts"),
+    (["--rounds", "0"], r"argument --rounds: must be at least 1, got 0"),
+    (["--plot", "/nonexistent-folder/p.png"], r"--plot /nonexistent-folder/p.png: the folder /nonexistent-folder does "
+                                              r"not exist"),
+    (["--tokens", "4"], r"--tokens is for a path/to/file.py:factory target; a checkpoint folder takes --decode"),
     ([], r"holds a config but no weights: add --random-weights"),
 ])
 def test_bench_usage_errors_say_what_to_give(checkpoint, capsys, argv, message):
@@ -107,3 +111,27 @@ def test_generate_bad_input_says_what_to_give(checkpoint, capsys, argv, message)
 
     assert main(["generate", checkpoint, "--random-weights", *argv]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_bench_of_a_factory_refuses_a_checkpoints_flags_rather_than_ignoring_them(capsys):
+    assert main(["bench", f"{TARGETS}:clean_model", "--decode", "1,8"]) == 2
+    assert "--decode and --prefill are for a transformers checkpoint folder" in capsys.readouterr().err
+
+
+def test_cache_list_piped_keeps_whole_names_and_keys(tmp_path, capsys, monkeypatch):
+    """Piped (not a terminal), the table is as wide as its rows: the model's qualified name and key are whole."""
+    import torch
+
+    import piecewise
+    from piecewise.models.llama import LlamaConfig, TinyLlama
+
+    model = TinyLlama(LlamaConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  head_dim=8, intermediate_size=16, max_seq_len=16)).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=4, cache_dir=tmp_path))
+    with torch.no_grad():
+        runner(torch.arange(3), torch.arange(3), model.make_kv_cache())
+    capsys.readouterr()
+    assert main(["cache", "list", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    key = piecewise.cache.Store(tmp_path).list()[0]["key"]
+    assert "piecewise.models.llama.TinyLlama" in out and key[:24] in out and "…" not in out

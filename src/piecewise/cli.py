@@ -37,6 +37,7 @@ from .cli_base import (
     _console,
     _subcommand,
     load_target,
+    output_path,
 )
 from .cli_tools import add_bench, add_cache, add_generate
 from .config import FRONTENDS
@@ -216,6 +217,7 @@ def add_verify(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_verify(options: argparse.Namespace) -> int:
+    output_path(options.json, "--json")
     target = load_target(options.target)  # first: a bad target is a usage error before torch is imported
 
     import piecewise

@@ -105,7 +105,9 @@ def load_target(target: str) -> Target:
         result = factory()
     except Exception as exc:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        raise UsageError(f"{path}:{factory_name}() raised {detail}") from exc
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise UsageError(f"{path}:{factory_name}() raised {detail} at {frame.filename}:{frame.lineno} "
+                         f"(`{(frame.line or '').strip()}`)") from exc
     found = _check_result(result, f"{path}:{factory_name}()")
     make_inputs = getattr(module, f"{factory_name}_inputs", None)
     found.make_inputs = make_inputs if callable(make_inputs) else None
@@ -143,3 +145,19 @@ def _subcommand(subparsers: argparse._SubParsersAction, name: str, handler, summ
     parser = subparsers.add_parser(name, help=summary, description=description)
     parser.set_defaults(handler=handler)
     return parser
+
+
+def output_path(path: str | None, flag: str) -> str | None:
+    """``path`` for an output file, checked before any work: its folder must exist."""
+    folder = os.path.dirname(os.path.abspath(path)) if path else None
+    if folder is not None and not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it or give another path")
+    return path
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

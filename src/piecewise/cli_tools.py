@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from .cli_base import EXIT_OK, UsageError, _console, _subcommand, load_target
+from .cli_base import EXIT_OK, UsageError, _console, _subcommand, load_target, output_path, positive_int
 
 
 def _sizes(text: str, what: str) -> list[int]:
@@ -62,11 +62,11 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("target", help="path/to/file.py:factory, or a transformers checkpoint folder")
     parser.add_argument("--random-weights", action="store_true", help="a checkpoint folder's config, random weights")
     parser.add_argument("--tokens", default="", help="token counts of a factory target (needs FACTORY_inputs)")
-    parser.add_argument("--decode", default="1,8,32", help="decode batches of a checkpoint (default 1,8,32)")
-    parser.add_argument("--prefill", default="512", help="prefill lengths of a checkpoint (default 512)")
+    parser.add_argument("--decode", default=None, help="decode batches of a checkpoint (default 1,8,32)")
+    parser.add_argument("--prefill", default=None, help="prefill lengths of a checkpoint (default 512)")
     parser.add_argument("--context", type=int, default=512, help="cached tokens before each decode step")
     parser.add_argument("--modes", default="", help="comma-separated mode names to time (default: all)")
-    parser.add_argument("--rounds", type=int, default=5, help="timing rounds per call (median)")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="timing rounds per call (median)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw ms against tokens per mode and the start cost")
 
@@ -75,6 +75,7 @@ def run_bench(options: argparse.Namespace) -> int:
     from .bench import MODES
 
     modes = MODES
+    output_path(options.plot, "--plot")
     if options.modes:
         names = [name.strip() for name in options.modes.split(",")]
         unknown = [name for name in names if name not in MODES]
@@ -82,6 +83,9 @@ def run_bench(options: argparse.Namespace) -> int:
             raise UsageError(f"unknown mode(s) {unknown}; the modes: {', '.join(MODES)}")
         modes = {name: MODES[name] for name in names}
     if _is_checkpoint(options.target):
+        if options.tokens:
+            raise UsageError("--tokens is for a path/to/file.py:factory target; a checkpoint folder takes --decode "
+                             "(batches) and --prefill (lengths)")
         model_source = _checkpoint(options.target, options.random_weights)
         calls_of = "checkpoint"
     else:
@@ -95,10 +99,14 @@ def run_bench(options: argparse.Namespace) -> int:
 
     if calls_of == "checkpoint":
         model = TokenModel(enable(model_source))
-        calls = bench.transformers_calls(model, _sizes(options.decode, "--decode"), _sizes(options.prefill, "--prefill"),
+        calls = bench.transformers_calls(model, _sizes(options.decode or "1,8,32", "--decode"),
+                                         _sizes(options.prefill or "512", "--prefill"),
                                          options.context)
     else:
         model = target.model
+        if options.decode or options.prefill:
+            raise UsageError("--decode and --prefill are for a transformers checkpoint folder; a factory target "
+                             "takes --tokens (with FACTORY_inputs(num_tokens) beside the factory)")
         tokens = _sizes(options.tokens, "--tokens")
         if tokens and target.make_inputs is None:
             factory = options.target.rpartition(":")[2]
@@ -245,6 +253,8 @@ def run_cache(options: argparse.Namespace) -> int:
     console.print(f"{root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
                   f"{store.size_bytes() / 2**20:.1f} MiB with Inductor's artifacts")
     if entries:
+        if not sys.stdout.isatty():  # piped: whole names and keys, not cropped to 80 columns
+            console.width = max(console.width, 200)
         table = Table("model", "front-end", "graph mode", "first call s", "key")
         for entry in entries:
             first = entry["first_call_s"]

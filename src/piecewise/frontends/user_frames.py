@@ -12,7 +12,10 @@ from ..diagnostics.classify import is_stdlib, is_torch_internal
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
 # piecewise's own machinery; its bundled models (models/) and integrations are model code a user reads.
 _MACHINERY = tuple(_PACKAGE + part for part in ("capture", "frontends", "runtime", "graph", "diagnostics", "context.py",
-                                                 "opaque.py", "diagnose.py", "_compat.py"))
+                                                 "opaque.py", "diagnose.py", "_compat.py", "cli", "bench.py",
+                                                 "generation.py", "__main__.py"))
+_CONSOLE_SCRIPT = os.path.realpath(sys.argv[0]) if os.path.basename(sys.argv[0] or "") == "piecewise" else None
+"""The ``piecewise`` command's own launcher, whose frame heads every stack the CLI runs."""
 
 
 def user_chain() -> list[traceback.FrameSummary]:
@@ -21,7 +24,8 @@ def user_chain() -> list[traceback.FrameSummary]:
     frames = []
     for frame in traceback.extract_stack()[:-1]:
         path = os.path.realpath(frame.filename)
-        if path.startswith(_MACHINERY) or is_torch_internal(path) or is_stdlib(path) or "<" in frame.filename:
+        if path.startswith(_MACHINERY) or is_torch_internal(path) or is_stdlib(path) or "<" in frame.filename \
+                or path == _CONSOLE_SCRIPT:
             continue
         frames.append(frame)
     return frames

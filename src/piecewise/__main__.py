@@ -1,0 +1,5 @@
+"""``python -m piecewise``: the ``piecewise`` command."""
+
+from .cli import main
+
+raise SystemExit(main())
