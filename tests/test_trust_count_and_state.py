@@ -348,3 +348,60 @@ def test_a_settings_field_read_only_inside_a_splitting_op_may_change_between_cal
             torch.testing.assert_close(out, want)
             start += tokens
     STEP.temperature = 1.0
+
+
+class EngineContext:
+    """vLLM's forward context: an engine fills a global object before each step."""
+
+    use_lora = False
+    scale = 1.0
+
+
+ENGINE = EngineContext()
+
+
+@piecewise.opaque_op("trust_state::scaled_by_context", split=True)
+def scaled_by_context(x: torch.Tensor) -> torch.Tensor:
+    return x * ENGINE.scale  # a splitting op runs on every call: its reads are read anew
+
+
+class ReadsGlobals(TinyLlama):
+    def __init__(self, config, inside_op: bool):
+        super().__init__(config)
+        self.inside_op = inside_op
+
+    def forward(self, input_ids, positions, kv_cache):
+        logits = super().forward(input_ids, positions, kv_cache)
+        if self.inside_op:
+            return scaled_by_context(logits)
+        if ENGINE.use_lora:  # Python values of a global object, read in plain code
+            logits = logits + 1.0
+        return logits * ENGINE.scale
+
+
+@pytest.mark.parametrize("inside_op", [False, True])
+def test_a_global_objects_value_read_in_plain_code_and_changed_after_the_first_call_is_refused_by_breakable(
+        inside_op):
+    """Breakable's replays run no Python: a flag or number the forward reads from a global object (an engine's
+    forward context) and that changes afterwards is named with its line (on a GPU the graphs kept the first
+    call's branch and scale: 16.6 off). Unchanged, calls are served; read inside a splitting op, it is read anew."""
+    torch.manual_seed(0)
+    model = ReadsGlobals(CONFIG, inside_op).eval()
+    runner = piecewise.compile(model, _config("breakable"))
+    cache, reference = model.make_kv_cache(), model.make_kv_cache()
+    ids = torch.randint(0, 64, (12,))
+    try:
+        with torch.no_grad():
+            for start, stop in ((0, 5), (5, 7)):
+                out = runner(ids[start:stop], torch.arange(start, stop), cache)
+                torch.testing.assert_close(out, model(ids[start:stop], torch.arange(start, stop), reference))
+            ENGINE.use_lora, ENGINE.scale = True, 2.0
+            if not inside_op:
+                with pytest.raises(ValueError, match=r"the global `ENGINE\.use_lora` changed after the first call, "
+                                                     r"and the forward reads it at .*if ENGINE\.use_lora"):
+                    runner(ids[7:9], torch.arange(7, 9), cache)
+                return
+            out = runner(ids[7:9], torch.arange(7, 9), cache)
+            torch.testing.assert_close(out, model(ids[7:9], torch.arange(7, 9), reference))
+    finally:
+        ENGINE.use_lora, ENGINE.scale = False, 1.0

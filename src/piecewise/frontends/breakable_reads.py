@@ -18,6 +18,7 @@ import torch
 
 from .. import _compat, opaque
 from ..capture.segment import in_runner_call
+from .breakable_globals import GlobalReads
 from .user_frames import innermost_user_line, line_text
 
 _READERS: dict[tuple[type, bool], type] = {}
@@ -91,6 +92,8 @@ class AttributeReads:
         self.fields: list[tuple[Any, dict, str, Any]] = []
         """(settings object, its instance dict, field, value read) of each plain field of a module's settings object
         the run read (a ``config.window``): no assignment hook sees those, so every replayed call compares them."""
+        self.globals = GlobalReads()
+        """Plain values the forward's functions read from globals (``breakable_globals``), compared likewise."""
 
     def record(self, run: Callable[[], Any]) -> Any:
         """Run ``run()`` noting the reads, then start watching those attributes."""
@@ -115,7 +118,7 @@ class AttributeReads:
                 except (TypeError, AttributeError):
                     continue
                 swapped.append((holder, cls))
-            return run()
+            return self.globals.record(run, {type(module).__module__ for module in self.model.modules()})
         finally:
             self.recording = False
             for module, cls in swapped:
@@ -146,6 +149,7 @@ class AttributeReads:
         changed = next(((holder, name) for holder, fields, name, value in self.fields
                         if not _same(fields.get(name, _MISSING), value)), None)
         if changed is None and not self.assigned:
+            self.globals.check()
             return
         holder, name = changed or self.assigned[0]
         _, _, where = self.reads[(id(holder), name)]

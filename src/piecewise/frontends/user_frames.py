@@ -43,6 +43,10 @@ def _user_file(filename: str) -> bool:
     return user
 
 
+is_user_file = _user_file
+"""Whether a file is the model's (not torch's, the standard library's or piecewise's machinery)."""
+
+
 def innermost_user_line() -> tuple[str, int] | None:
     """(file, line) of the innermost model frame running now: ``user_chain()[-1]`` for every op of a run, cheaply."""
     frame = innermost_user_frame()

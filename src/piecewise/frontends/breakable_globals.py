@@ -1,0 +1,136 @@
+"""Python values a breakable forward reads from module globals, and their change after capture.
+
+A replay runs no Python, so a flag or a number the forward reads from a global (``USE_LORA``) or from an attribute
+of a global object (vLLM's forward context, ``_ctx.scale``) stays what it was at capture. ``GlobalReads.record``
+notes the lines of the model's own files (the modules of its classes) one run of the forward runs (a trace hook,
+that run only), and reads from their bytecode each global those lines load, with the attributes taken from it right after (``_ctx.scale``); those whose
+value is a plain Python value (a bool, int, float, str or None) are compared before every replay, and a change
+raises, naming the global and the line that reads it (not while a debugger or coverage traces). Reads inside splitting ops are left out: those ops run on
+every call. Dynamo guards such values itself. Not seen: a value a function call returns (``get_context().scale``),
+or a container's item (``SETTINGS["scale"]``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import dis
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .. import opaque
+from .user_frames import is_user_file, line_text
+
+_PLAIN = (bool, int, float, str, type(None))
+_MISSING = object()
+
+
+class GlobalReads:
+    """The plain values the forward's own functions read from globals at the recorded run."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[dict, str, tuple[str, ...], Any, tuple[str, int] | None]] = []
+        """(the function's globals, the global's name, the attributes taken from it, the value, where)."""
+
+    def record(self, run: Callable[[], Any], modules: set[str]) -> Any:
+        """Run ``run()`` noting the lines it runs of ``modules`` (those of the model's module classes; not a gc
+        callback's that ran meanwhile), not while a debugger or coverage traces (``sys.settrace`` would replace
+        theirs)."""
+        if sys.gettrace() is not None:
+            return run()
+        functions: dict[Any, tuple[dict, set[int]]] = {}
+        skipped: set[Any] = set()
+
+        def called(frame, event, arg):
+            code = frame.f_code
+            if event != "call" or code in skipped:
+                return None
+            if code not in functions:
+                if frame.f_globals.get("__name__") not in modules or not is_user_file(code.co_filename) \
+                        or _inside_opaque_op(frame):
+                    skipped.add(code)
+                    return None
+                functions[code] = (frame.f_globals, set())
+            lines = functions[code][1]
+
+            def line(frame, event, arg):
+                if event == "line":
+                    lines.add(frame.f_lineno)
+                return line
+
+            return line
+
+        sys.settrace(called)
+        try:
+            return run()
+        finally:
+            sys.settrace(None)
+            found = {}
+            for code, (names, lines) in functions.items():
+                for entry in _plain_reads(code, names, lines):
+                    found.setdefault((id(entry[0]), entry[1], entry[2]), entry)
+            self.entries = list(found.values())
+
+    def changed(self) -> tuple[str, tuple[str, int] | None] | None:
+        """(``name.attribute``, where it is read) of the first value that differs from the recorded run's."""
+        for names, name, attributes, value, where in self.entries:
+            now = _resolve(names, name, attributes)
+            if now is not value and not (type(now) is type(value) and now == value):
+                return ".".join((name, *attributes)), where
+        return None
+
+    def check(self) -> None:
+        changed = self.changed()
+        if changed is not None:
+            raise ValueError(
+                f"piecewise: the global `{changed[0]}` changed after the first call, and the forward reads it at "
+                f"{line_text(changed[1])}. A replayed call runs no Python, so its graphs would go on using what it "
+                f"held at capture. Pass the value to forward as an argument (a tensor is read in place, any other "
+                f"value is checked on every call), read it inside a splitting op, use the Dynamo front-end (its "
+                f"guards trace again for the new value), or compile again.")
+
+
+def _inside_opaque_op(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "body" and frame.f_code.co_filename == opaque.__file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _plain_reads(code, names: dict, lines: set[int]) -> list[tuple[dict, str, tuple[str, ...], Any,
+                                                                   tuple[str, int] | None]]:
+    """Each ``LOAD_GLOBAL name`` on a line of ``code`` that ran, with the ``LOAD_ATTR``s right after it, whose
+    value now is plain."""
+    found, instructions = [], list(dis.get_instructions(code))
+    for index, instruction in enumerate(instructions):
+        if instruction.opname != "LOAD_GLOBAL":
+            continue
+        name = instruction.argval
+        line = getattr(getattr(instruction, "positions", None), "lineno", None) or instruction.starts_line
+        if line not in lines or (name not in names and hasattr(builtins, name)):
+            continue
+        attributes: list[str] = []
+        for following in instructions[index + 1:index + 4]:
+            if following.opname != "LOAD_ATTR" or getattr(following, "arg", 0) and sys.version_info >= (3, 12) \
+                    and following.arg & 1:  # 3.12+: a method load (a call follows)
+                break
+            attributes.append(following.argval)
+        for depth in range(len(attributes), -1, -1):  # the longest chain whose value is plain
+            value = _resolve(names, name, tuple(attributes[:depth]))
+            if type(value) in _PLAIN:
+                found.append((names, name, tuple(attributes[:depth]), value, (code.co_filename, line)))
+                break
+    return found
+
+
+def _resolve(names: dict, name: str, attributes: tuple[str, ...]) -> Any:
+    value = names.get(name, _MISSING)
+    for attribute in attributes:
+        if value is _MISSING:
+            break
+        try:
+            value = getattr(value, attribute)
+        except Exception:  # a property that fails now: not a plain value
+            return _MISSING
+    return value
