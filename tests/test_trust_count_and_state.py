@@ -265,14 +265,8 @@ def test_a_settings_field_changed_after_the_first_call_is_refused_by_breakable_a
             runner(ids[:5], torch.arange(5), cache)
             model(ids[:5], torch.arange(5), reference)
             model.settings.scale = 3.0
-            if frontend == "breakable":
-                with pytest.raises(ValueError, match=r"`settings.scale` changed after the first call, and the "
-                                                     r"forward reads it at .*self.settings.scale"):
-                    runner(ids[5:8], torch.arange(5, 8), cache)
-                continue
-            out = runner(ids[5:8], torch.arange(5, 8), cache)
-            torch.testing.assert_close(out, model(ids[5:8], torch.arange(5, 8), reference))
-            torch.testing.assert_close(cache, reference)
+            refusal = r"`settings.scale` changed after the first call, and the forward reads it at .*self.settings.scale"
+            _refused_or_equal(runner, model, ids, (5, 8), cache, reference, refusal if frontend == "breakable" else None)
 
 
 class GrowsRotary(TinyLlama):
@@ -396,12 +390,20 @@ def test_a_global_objects_value_read_in_plain_code_and_changed_after_the_first_c
                 out = runner(ids[start:stop], torch.arange(start, stop), cache)
                 torch.testing.assert_close(out, model(ids[start:stop], torch.arange(start, stop), reference))
             ENGINE.use_lora, ENGINE.scale = True, 2.0
-            if not inside_op:
-                with pytest.raises(ValueError, match=r"the global `ENGINE\.use_lora` changed after the first call, "
-                                                     r"and the forward reads it at .*if ENGINE\.use_lora"):
-                    runner(ids[7:9], torch.arange(7, 9), cache)
-                return
-            out = runner(ids[7:9], torch.arange(7, 9), cache)
-            torch.testing.assert_close(out, model(ids[7:9], torch.arange(7, 9), reference))
+            refusal = r"the global `ENGINE\.use_lora` changed after the first call, and the forward reads it at .*if " \
+                      r"ENGINE\.use_lora"
+            _refused_or_equal(runner, model, ids, (7, 9), cache, reference, None if inside_op else refusal)
     finally:
         ENGINE.use_lora, ENGINE.scale = False, 1.0
+
+
+def _refused_or_equal(runner, model, ids, span, cache, reference, refusal: str | None) -> None:
+    """The call of ``ids[span]`` refused with ``refusal``, or (None) equal to the model's own, caches too."""
+    start, stop = span
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal):
+            runner(ids[start:stop], torch.arange(start, stop), cache)
+        return
+    torch.testing.assert_close(runner(ids[start:stop], torch.arange(start, stop), cache),
+                               model(ids[start:stop], torch.arange(start, stop), reference))
+    torch.testing.assert_close(cache, reference)
