@@ -217,19 +217,22 @@ def test_disable_gives_transformers_its_own_attention_back_after_generate():
     assert piecewise.generate(model, [prompt], 4, stop_tokens=())[0].tolist() == expected.tolist()
 
 
-def test_attention_set_back_with_transformers_own_api_is_refused_with_a_cache_and_enabled_again_by_generate():
+@pytest.mark.parametrize("name", ["Llama", "DeepseekV3"])
+def test_attention_set_back_with_transformers_own_api_is_refused_with_a_cache_and_enabled_again_by_generate(name):
     """``set_attn_implementation("sdpa")`` after ``enable`` (not ``disable``): transformers' attention never reads
-    piecewise's KV cache, so ``TokenModel`` refuses one, naming enable; ``generate`` enables the model again."""
+    piecewise's KV cache, so ``TokenModel`` refuses one, naming enable; ``generate`` enables the model again, with
+    a new runner (enable patches MLA's attention modules anew, which a breakable runner of before would refuse)."""
     from piecewise.integrations.transformers import TokenModel
 
-    model = build("Llama")
+    model = build(name)
     prompt = torch.randint(2, 250, (7,), generator=torch.Generator().manual_seed(4))
     expected = transformers_greedy(model, [prompt], [4], eos=None)[0]
-    assert piecewise.generate(model, [prompt], 4, stop_tokens=())[0].tolist() == expected.tolist()
+    config = piecewise.CaptureConfig(max_tokens=8, frontend="breakable")
+    assert piecewise.generate(model, [prompt], 4, stop_tokens=(), config=config)[0].tolist() == expected.tolist()
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match=r"transformers' 'sdpa' now .*enable\(model\) again"):
         TokenModel(model)(prompt, torch.arange(7), TokenModel(model).make_kv_cache(max_seq_len=16))
-    assert piecewise.generate(model, [prompt], 4, stop_tokens=())[0].tolist() == expected.tolist()
+    assert piecewise.generate(model, [prompt], 4, stop_tokens=(), config=config)[0].tolist() == expected.tolist()
 
 
 def test_generations_of_one_model_in_two_threads_take_turns_and_a_nested_one_is_refused():

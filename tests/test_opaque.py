@@ -129,3 +129,21 @@ def test_mutates_args_takes_one_name_and_names_a_missing_parameter():
         @piecewise.opaque_op("test_opaque::bump_two", mutates_args="cache")
         def bump_two(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
             return x + 1
+
+
+@piecewise.opaque_op("test_opaque::mixed_linear", fake=lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+def mixed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w)  # bfloat16 x, float32 w: only autocast makes these agree
+
+
+def test_a_users_op_keeps_the_callers_autocast_and_piecewises_own_attention_computes_in_its_inputs_dtype():
+    """A user's op body may rely on autocast (mixed dtypes): it keeps it. piecewise's own attention ops run with
+    autocast off, so that their outputs' dtypes are what their fakes say."""
+    from piecewise.models.attention import attention
+
+    x, w = torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(5, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mixed_linear(x, w).dtype == torch.bfloat16
+        q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+        cache = torch.zeros(1, 2, 8, 1, 8)
+        assert attention(q, k, k, torch.arange(3), cache, 0).dtype == torch.float32

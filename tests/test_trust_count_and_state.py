@@ -373,9 +373,9 @@ class ReadsGlobals(TinyLlama):
         return logits * ENGINE.scale
 
 
-@pytest.mark.parametrize("inside_op", [False, True])
+@pytest.mark.parametrize("inside_op,changed", [(False, "use_lora"), (False, "scale"), (True, "scale")])
 def test_a_global_objects_value_read_in_plain_code_and_changed_after_the_first_call_is_refused_by_breakable(
-        inside_op):
+        inside_op, changed):
     """Breakable's replays run no Python: a flag or number the forward reads from a global object (an engine's
     forward context) and that changes afterwards is named with its line (on a GPU the graphs kept the first
     call's branch and scale: 16.6 off). Unchanged, calls are served; read inside a splitting op, it is read anew."""
@@ -389,9 +389,9 @@ def test_a_global_objects_value_read_in_plain_code_and_changed_after_the_first_c
             for start, stop in ((0, 5), (5, 7)):
                 out = runner(ids[start:stop], torch.arange(start, stop), cache)
                 torch.testing.assert_close(out, model(ids[start:stop], torch.arange(start, stop), reference))
-            ENGINE.use_lora, ENGINE.scale = True, 2.0
-            refusal = r"the global `ENGINE\.use_lora` changed after the first call, and the forward reads it at .*if " \
-                      r"ENGINE\.use_lora"
+            setattr(ENGINE, changed, {"use_lora": True, "scale": 2.0}[changed])  # scale: read mid-line
+            refusal = rf"the global `ENGINE\.{changed}` changed after the first call, and the forward reads it at " \
+                      rf".*{'if ENGINE.use_lora' if changed == 'use_lora' else 'return logits [*] ENGINE.scale'}"
             _refused_or_equal(runner, model, ids, (7, 9), cache, reference, None if inside_op else refusal)
     finally:
         ENGINE.use_lora, ENGINE.scale = False, 1.0
@@ -407,3 +407,24 @@ def _refused_or_equal(runner, model, ids, span, cache, reference, refusal: str |
     torch.testing.assert_close(runner(ids[start:stop], torch.arange(start, stop), cache),
                                model(ids[start:stop], torch.arange(start, stop), reference))
     torch.testing.assert_close(cache, reference)
+
+
+CALLS = 0
+
+
+class CountsCalls(TinyLlama):
+    def forward(self, input_ids, positions, kv_cache):
+        global CALLS
+        CALLS += 1  # the forward's own global state: it changes at each run of the first call
+        return super().forward(input_ids, positions, kv_cache)
+
+
+def test_a_global_the_forward_sets_itself_is_not_taken_for_a_change_after_the_first_call():
+    torch.manual_seed(0)
+    model = CountsCalls(CONFIG).eval()
+    runner = piecewise.compile(model, _config("breakable"))
+    cache, reference = model.make_kv_cache(), model.make_kv_cache()
+    ids = torch.randint(0, 64, (9,))
+    with torch.no_grad():
+        for start, stop in ((0, 5), (5, 6), (6, 9)):
+            _refused_or_equal(runner, model, ids, (start, stop), cache, reference, None)

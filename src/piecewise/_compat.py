@@ -389,7 +389,12 @@ class Addresses:
 _NO_CONTEXT = contextlib.nullcontext()
 
 
-def autocast_off():
-    """Autocast off where any is on (an opaque op's body: under autocast an SDPA inside would give bfloat16 from
-    float32 inputs, which its fake, from the inputs, does not say; torch's custom ops are opaque to autocast)."""
-    return torch._C._DisableAutocast() if torch._C._is_any_autocast_enabled() else _NO_CONTEXT
+_OWN_MODEL_OPS = ("piecewise_hf::", "piecewise_examples::")
+
+
+def autocast_off(op: str):
+    """Autocast off for the body of one of piecewise's attention and model ops (``op``, its qualified name) where
+    any is on: under autocast an SDPA inside would give bfloat16 from float32 inputs, which its fake, from the
+    inputs, does not say. Other ops (a user's) keep the caller's autocast, which their bodies may rely on."""
+    return torch._C._DisableAutocast() if op.startswith(_OWN_MODEL_OPS) and torch._C._is_any_autocast_enabled() \
+        else _NO_CONTEXT

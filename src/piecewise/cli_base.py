@@ -105,7 +105,9 @@ def load_target(target: str) -> Target:
         result = factory()
     except Exception as exc:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        frames = traceback.extract_tb(exc.__traceback__)
+        source = os.path.realpath(getattr(module, "__file__", None) or path)  # the factory's file: its line
+        frame = next((f for f in reversed(frames) if os.path.realpath(f.filename) == source), frames[-1])
         raise UsageError(f"{path}:{factory_name}() raised {detail} at {frame.filename}:{frame.lineno} "
                          f"(`{(frame.line or '').strip()}`)") from exc
     found = _check_result(result, f"{path}:{factory_name}()")

@@ -82,6 +82,9 @@ def run_bench(options: argparse.Namespace) -> int:
         if unknown:
             raise UsageError(f"unknown mode(s) {unknown}; the modes: {', '.join(MODES)}")
         modes = {name: MODES[name] for name in names}
+    if not _is_checkpoint(options.target) and (options.decode or options.prefill):
+        raise UsageError("--decode and --prefill are for a transformers checkpoint folder; a factory target "
+                         "takes --tokens (with FACTORY_inputs(num_tokens) beside the factory)")
     if _is_checkpoint(options.target):
         if options.tokens:
             raise UsageError("--tokens is for a path/to/file.py:factory target; a checkpoint folder takes --decode "
@@ -104,9 +107,6 @@ def run_bench(options: argparse.Namespace) -> int:
                                          options.context)
     else:
         model = target.model
-        if options.decode or options.prefill:
-            raise UsageError("--decode and --prefill are for a transformers checkpoint folder; a factory target "
-                             "takes --tokens (with FACTORY_inputs(num_tokens) beside the factory)")
         tokens = _sizes(options.tokens, "--tokens")
         if tokens and target.make_inputs is None:
             factory = options.target.rpartition(":")[2]

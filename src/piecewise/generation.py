@@ -80,6 +80,7 @@ def _runner(model: nn.Module, config: CaptureConfig, max_seq: int, sequences: in
 
     if getattr(model, "_piecewise_call", None) is None or model.config._attn_implementation != ATTENTION:
         enable(model)  # never enabled, disable()d since, or transformers' attention set again (set_attn_implementation)
+        _RUNNERS.pop(model, None)  # enable() patches attention modules anew: a runner of before would refuse them
     runners = _RUNNERS.setdefault(model, {})
     key = repr(config)
     made = runners.get(key)

@@ -183,7 +183,7 @@ def _register(
 
     def body(*args, **kwargs):
         info.eager_calls += 1  # a counter and two compares: the runtime calls this between pieces on every step
-        with _compat.autocast_off():  # the outputs' dtypes follow the inputs, as the fake says; eager alike
+        with _compat.autocast_off(qualified):  # piecewise's own ops: outputs' dtypes follow inputs, as fakes say
             result = impl(*args, **kwargs)
         if info.fake is None and (check := fake_mismatch(qualified, op, args, kwargs, result)) is not None:
             info.fake, info.contiguous = check, check.contiguous

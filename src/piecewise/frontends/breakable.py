@@ -137,7 +137,10 @@ class BreakableFrontend:
         state = self.state
         call = state.call
         if call.phase is Phase.DIRECT:
-            return self.call_forward(arguments)
+            output = self.call_forward(arguments)
+            if state.preparing:  # globals the forward sets itself (a counter): the values after the first call count
+                self.reads.globals.refresh()
+            return output
         if call.phase is Phase.REPLAY:
             recording = self.recordings.get(call.size)
             if recording is not None:
@@ -158,6 +161,8 @@ class BreakableFrontend:
         with state.bounds if call.checked else contextlib.nullcontext(), \
                 self.interceptor(self, call.num_tokens, call.size, recording, log, self.surveying) as interceptor:
             output = interceptor.forward(arguments)
+        if state.preparing:
+            self.reads.globals.refresh()
         if log is not None:
             self._judge(log, call.size, kind)
         if self.surveying is None:

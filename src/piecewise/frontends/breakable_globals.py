@@ -3,11 +3,13 @@
 A replay runs no Python, so a flag or a number the forward reads from a global (``USE_LORA``) or from an attribute
 of a global object (vLLM's forward context, ``_ctx.scale``) stays what it was at capture. ``GlobalReads.record``
 notes the lines of the model's own files (the modules of its classes) one run of the forward runs (a trace hook,
-that run only), and reads from their bytecode each global those lines load, with the attributes taken from it right after (``_ctx.scale``); those whose
-value is a plain Python value (a bool, int, float, str or None) are compared before every replay, and a change
-raises, naming the global and the line that reads it (not while a debugger or coverage traces). Reads inside splitting ops are left out: those ops run on
-every call. Dynamo guards such values itself. Not seen: a value a function call returns (``get_context().scale``),
-or a container's item (``SETTINGS["scale"]``).
+that run only), and reads from their bytecode each global those lines load, with the attributes taken from it
+right after (``_ctx.scale``); those whose value is a plain Python value (a bool, int, float, str or None) are
+compared before every replay, and a change raises, naming the global and the line that reads it. Left out: reads
+inside splitting ops (those run on every call), globals the forward assigns itself (a counter: its own state, as
+for module attributes), and any run under a debugger or coverage (their trace hook stays). Not seen: a value a
+function returns (``get_context().scale``), a container's item (``SETTINGS["scale"]``), another library's code.
+Dynamo guards such values itself.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ class GlobalReads:
             if event != "call" or code in skipped:
                 return None
             if code not in functions:
-                if frame.f_globals.get("__name__") not in modules or not is_user_file(code.co_filename) \
-                        or _inside_opaque_op(frame):
+                if frame.f_globals.get("__name__") not in modules or not is_user_file(code.co_filename):
                     skipped.add(code)
+                    return None
+                if _inside_opaque_op(frame):  # this call only: the function may run outside one too
                     return None
                 functions[code] = (frame.f_globals, set())
             lines = functions[code][1]
@@ -65,11 +68,18 @@ class GlobalReads:
             return run()
         finally:
             sys.settrace(None)
-            found = {}
+            found, stored = {}, set()  # stored: globals the forward assigns itself (a counter), its own state
             for code, (names, lines) in functions.items():
+                stored |= {(id(names), i.argval) for i in dis.get_instructions(code) if i.opname == "STORE_GLOBAL"}
                 for entry in _plain_reads(code, names, lines):
                     found.setdefault((id(entry[0]), entry[1], entry[2]), entry)
-            self.entries = list(found.values())
+            self.entries = [entry for key, entry in found.items() if key[:2] not in stored]
+
+    def refresh(self) -> None:
+        """Take the values anew: after each run of the first call, whose forward may set globals of its own (a
+        counter); only a change after it is one the graphs would miss."""
+        self.entries = [(names, name, attributes, _resolve(names, name, attributes), where)
+                        for names, name, attributes, _, where in self.entries]
 
     def changed(self) -> tuple[str, tuple[str, int] | None] | None:
         """(``name.attribute``, where it is read) of the first value that differs from the recorded run's."""
@@ -103,11 +113,16 @@ def _plain_reads(code, names: dict, lines: set[int]) -> list[tuple[dict, str, tu
     """Each ``LOAD_GLOBAL name`` on a line of ``code`` that ran, with the ``LOAD_ATTR``s right after it, whose
     value now is plain."""
     found, instructions = [], list(dis.get_instructions(code))
+    starts, line, at = dict(dis.findlinestarts(code)), None, []  # offset → the line starting there (3.10-3.13)
+    for instruction in instructions:
+        at.append(line := starts.get(instruction.offset) or line)
+    assigned = {(at[i], instruction.argval) for i, instruction in enumerate(instructions)
+                if instruction.opname == "STORE_ATTR"}  # `_ctx.count += 1`: the forward's own state
     for index, instruction in enumerate(instructions):
+        line = at[index]
         if instruction.opname != "LOAD_GLOBAL":
             continue
         name = instruction.argval
-        line = getattr(getattr(instruction, "positions", None), "lineno", None) or instruction.starts_line
         if line not in lines or (name not in names and hasattr(builtins, name)):
             continue
         attributes: list[str] = []
@@ -116,6 +131,8 @@ def _plain_reads(code, names: dict, lines: set[int]) -> list[tuple[dict, str, tu
                     and following.arg & 1:  # 3.12+: a method load (a call follows)
                 break
             attributes.append(following.argval)
+        if attributes and (line, attributes[-1]) in assigned:
+            continue
         for depth in range(len(attributes), -1, -1):  # the longest chain whose value is plain
             value = _resolve(names, name, tuple(attributes[:depth]))
             if type(value) in _PLAIN:
