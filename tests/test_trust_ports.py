@@ -407,3 +407,33 @@ def test_a_prefill_and_a_decode_path_chosen_by_the_count_is_refused_by_dynamo_an
             token = want[..., :1].argmax(-1) % 32
     torch.testing.assert_close(model.k_cache, reference.k_cache)
     assert runner.stats["frontend"] == "breakable"
+
+
+@piecewise.opaque_op("trust_ports::heads_first_attention", fake=lambda q, k, v: torch.empty_like(q), split=True)
+def heads_first_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class HeadsFirst(nn.Module):
+    """gpt-fast's attention layout made a splitting op as it stands: q, k, v [B, H, S, D], the tokens in dim 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.wqkv = nn.Linear(8, 24, bias=False)
+
+    def forward(self, idx):
+        q, k, v = (t.view(1, -1, 2, 4).transpose(1, 2) for t in self.wqkv(self.embed(idx)).split(8, -1))
+        return heads_first_attention(q, k, v).transpose(1, 2).reshape(1, -1, 8)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_splitting_op_returning_the_tokens_in_another_dimension_is_refused_with_the_transpose(frontend):
+    """Dynamo's trace gives the op's output with the token count in dimension 2: named with the fix (before, a raw
+    reshape error from inside a piece); breakable's survey names it alike."""
+    runner = piecewise.compile(HeadsFirst().eval(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
+                                                                            cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"heads_first_attention.*with the tokens in dimension 2, "
+                                                               r"not 0.*\.transpose\(0, 2\)") as refused:
+        runner(torch.randint(0, 32, (1, 7)))
+    assert refused.value.kind == "token_layout"

@@ -15,7 +15,8 @@ from ..capture.splitop import SplitOpRunner
 from ..capture.state import CaptureState, Phase
 from ..errors import StateChanged
 from ..graph.split import has_custom_ops, split_graph
-from ..graph.tokens import is_token_tensor, output_values, placeholder_values, token_dims
+from ..graph.tokens import (is_token_tensor, output_values, placeholder_values, refuse_other_token_dims,
+                            token_dims)
 from ..graph.writes import inputs_sharing_memory, writes_to_inputs
 
 
@@ -47,6 +48,7 @@ class GraphRunner:
         """In-place writes into static tensors cut out of the pieces (see ``checks.static_writes``)."""
         self.custom_ops = has_custom_ops(graph, splitting_ops)
         """Whether a custom op other than the splitting ops runs in the pieces (``runtime/op_reads.py``)."""
+        refuse_other_token_dims(graph, splitting_ops)
         self.split_graph, partitions = split_graph(graph, splitting_ops, eager_writes)
         self.pieces: list[PieceRunner] = []
         self.splitting_ops: list[SplitOpRunner] = []

@@ -23,6 +23,26 @@ def token_dims(fake: Any) -> list[int]:
     return [d for d, size in enumerate(fake.shape) if _compat.is_plain_symbol(size)]
 
 
+def refuse_other_token_dims(graph: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> None:
+    """Refuse a splitting op that returns the tokens in another dimension than 0 only (gpt-fast's [B, H, S, D]
+    attention): its output is padded and cut along dimension 0, which there is not the tokens."""
+    from ..errors import ForwardRefused
+    from ..opaque import op_name
+
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or op_name(node.target) not in splitting_ops:
+            continue
+        value = node.meta.get("example_value")
+        for index, fake in enumerate(value if isinstance(value, (tuple, list)) else [value]):
+            dims = token_dims(fake)
+            if dims and 0 not in dims:
+                raise ForwardRefused(
+                    f"piecewise: splitting op `{op_name(node.target)}` at {user_line(node)} returns output {index} "
+                    f"of shape {tuple(fake.shape)}, with the tokens in dimension {dims[0]}, not 0; piecewise pads and "
+                    f"cuts dimension 0: return it tokens-first (.transpose(0, {dims[0]}) inside the op, and back "
+                    f"outside it)", "token_layout", node_stack(node))
+
+
 def placeholder_values(module: torch.fx.GraphModule) -> list[Any]:
     """The example (fake) values of a graph's inputs, in order."""
     return [node.meta.get("example_value") for node in module.graph.nodes if node.op == "placeholder"]
