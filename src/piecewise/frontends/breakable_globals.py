@@ -23,7 +23,8 @@ from typing import Any
 from .. import opaque
 from .user_frames import is_user_file, line_text
 
-_PLAIN = (bool, int, float, str, type(None))
+PLAIN = (bool, int, float, str, type(None))
+"""The Python values a replay would keep that the watches compare (a flag, a number, a name)."""
 _MISSING = object()
 
 
@@ -51,7 +52,7 @@ class GlobalReads:
                 if frame.f_globals.get("__name__") not in modules or not is_user_file(code.co_filename):
                     skipped.add(code)
                     return None
-                if _inside_opaque_op(frame):  # this call only: the function may run outside one too
+                if inside_opaque_op(frame):  # this call only: the function may run outside one too
                     return None
                 functions[code] = (frame.f_globals, set())
             lines = functions[code][1]
@@ -85,7 +86,7 @@ class GlobalReads:
         """(``name.attribute``, where it is read) of the first value that differs from the recorded run's."""
         for names, name, attributes, value, where in self.entries:
             now = _resolve(names, name, attributes)
-            if now is not value and not (type(now) is type(value) and now == value):
+            if not same(now, value):
                 return ".".join((name, *attributes)), where
         return None
 
@@ -100,7 +101,13 @@ class GlobalReads:
                 f"guards trace again for the new value), or compile again.")
 
 
-def _inside_opaque_op(frame) -> bool:
+def same(now: Any, then: Any) -> bool:
+    """The same object, or an equal plain value of the same type."""
+    return now is then or (type(now) in PLAIN and type(now) is type(then) and now == then)
+
+
+def inside_opaque_op(frame) -> bool:
+    """Whether ``frame`` runs inside an opaque op's body (a read there is the op's, which runs on every call)."""
     while frame is not None:
         if frame.f_code.co_name == "body" and frame.f_code.co_filename == opaque.__file__:
             return True
@@ -135,7 +142,7 @@ def _plain_reads(code, names: dict, lines: set[int]) -> list[tuple[dict, str, tu
             continue
         for depth in range(len(attributes), -1, -1):  # the longest chain whose value is plain
             value = _resolve(names, name, tuple(attributes[:depth]))
-            if type(value) in _PLAIN:
+            if type(value) in PLAIN:
                 found.append((names, name, tuple(attributes[:depth]), value, (code.co_filename, line)))
                 break
     return found

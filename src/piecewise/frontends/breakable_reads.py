@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .. import _compat, opaque
+from .. import _compat
 from ..capture.segment import in_runner_call
-from .breakable_globals import GlobalReads
+from .breakable_globals import PLAIN, GlobalReads, inside_opaque_op, same
 from .user_frames import innermost_user_line, line_text
 
 _READERS: dict[tuple[type, bool], type] = {}
@@ -33,11 +33,11 @@ def _reading_class(cls: type, settings: bool = False) -> type:
         def __getattribute__(self, name):
             value = cls.__getattribute__(self, name) if settings else object.__getattribute__(self, name)
             own = name in object.__getattribute__(self, "__dict__")
-            if (type(value) in _PLAIN and own and bool(_RECORDING)) if settings else (
+            if (type(value) in PLAIN and own and bool(_RECORDING)) if settings else (
                     name not in _compat.MODULE_BOOKKEEPING and (own or (type(value) in _CLASS_DEFAULTS
                                                                       and not name.startswith("__")))):
                 key = (id(self), name)
-                if key not in _RECORDING[-1] and not _inside_opaque_op():
+                if key not in _RECORDING[-1] and not inside_opaque_op(sys._getframe(1)):
                     _RECORDING[-1][key] = (self, value, innermost_user_line())
             return value
 
@@ -59,20 +59,8 @@ _NOT_SETTINGS = frozenset(sys.stdlib_module_names) | {"torch", "triton", "numpy"
 """Packages whose objects a module may hold (a logger, a lock, a generator) that are not its settings."""
 
 
-def _inside_opaque_op() -> bool:
-    """Whether an opaque op's body is running (a read there is the op's, which runs on every call, not the
-    forward's): a walk up the stack, at the recording run's reads only."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "body" and frame.f_code.co_filename == opaque.__file__:
-            return True
-        frame = frame.f_back
-    return False
-
-
 _RECORDING: list[dict] = []
-_PLAIN = (bool, int, float, str, type(None))
-_CLASS_DEFAULTS = (*_PLAIN, types.MethodType)
+_CLASS_DEFAULTS = (*PLAIN, types.MethodType)
 """What the class gives an instance that an instance's assignment overrides: a flag or a setting's default, a
 method (``layer.post_attention = patched``: replays would go on running the method of the capture)."""
 
@@ -147,7 +135,7 @@ class AttributeReads:
         """Raise ``ValueError`` when an attribute the forward reads was assigned since it was recorded, or a field of
         a settings object it reads holds another value."""
         changed = next(((holder, name) for holder, fields, name, value in self.fields
-                        if not _same(fields.get(name, _MISSING), value)), None)
+                        if not same(fields.get(name, _MISSING), value)), None)
         if changed is None and not self.assigned:
             self.globals.check()
             return
@@ -165,7 +153,3 @@ class AttributeReads:
 
 
 _MISSING = object()
-
-
-def _same(now: Any, then: Any) -> bool:
-    return now is then or (type(now) in _PLAIN and type(now) is type(then) and now == then)
