@@ -31,6 +31,7 @@ from . import op_reads
 from .core import Core
 from .count_check import check_count
 from .full_graphs import check_full_padding
+from .model_state import Written
 from .hooks import refuse_positional_pre_hooks, warn_of_forward_hooks
 from .outputs import refuse_made_tensors_in_objects, warn_of_kept_tensors
 from .verify import verify
@@ -87,17 +88,22 @@ def prepare(core: Core, arguments: dict[str, Any]) -> None:
     """Warm up, choose the front-end, check padding, capture (on CUDA); on a refusal put the model's Python
     attributes back as they were. The random generators are put back either way: the call then draws what an
     eager call would have."""
-    before, generators = ModuleState(core.model), RandomState()
+    before, generators, written = ModuleState(core.model), RandomState(), Written()
     try:
-        _prepare(core, arguments, before)
+        _prepare(core, arguments, before, written)
+        added = written.put_back()  # what the rehearsals added to state: the call then adds once
+        if added:
+            logger.info("piecewise: put back %s, which every run of the forward writes", ", ".join(added))
     except ForwardRefused as exc:
         before.restore()
+        written.put_back(everything=True)
         note = core.arguments.lead_note()  # a refusal of the count's use may come from the wrong dimension taken
         if exc.kind in (BlockerKind.TOKEN_BRANCH, BlockerKind.TOKEN_LAYOUT) and note:
             exc.args = (str(exc) + note, *exc.args[1:])
         raise
     except BaseException:
         before.restore()
+        written.put_back(everything=True)
         raise
     finally:
         generators.restore()
@@ -115,7 +121,7 @@ class _Clock:
         self.last = now
 
 
-def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -> None:
+def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState, written: Written) -> None:
     core.watch.start()
     began = time.perf_counter()
     core.stats.first_call_seconds = {}
@@ -134,8 +140,10 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState) -
     tokens = core.arguments.rows(arguments)
     refuse_positional_pre_hooks(core.model)
     counts = opaque_call_counts()
+    written.take(core, arguments)
     with forward_context(tokens, tokens, rehearsal=True):
         output = core.model(**arguments)  # eager warm-up: JIT builds and lazy op schemas happen outside tracing
+    written.warmed_up()
     refuse_made_tensors_in_objects(output, [*model_tensors, *static], arguments)
     warn_of_forward_hooks(core.model)
     called = {name for name, count in opaque_call_counts().items() if count != counts.get(name, 0)}

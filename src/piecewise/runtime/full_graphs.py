@@ -25,7 +25,7 @@ from ..capture.state import Call, Phase
 from ..context import ForwardContext, forward_context
 from ..errors import BlockerKind, ForwardRefused
 from ..opaque import opaque_op_info
-from .model_state import model_state, writable
+from .model_state import state_tensors
 from .verify import rel_error, tolerance
 
 logger = logging.getLogger(__name__)
@@ -290,10 +290,7 @@ def check_full_padding(full: FullGraphs, arguments: dict[str, Any], tokens: int)
 def snapshot(runner: Any, arguments: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor, str]] | None:
     """Copies of the state a call could write (the static tensor arguments and ``model_state``), each with its name, to put back with ``restore`` after calls made up by piecewise; None
     where the copies would not fit (``_copy_fits``)."""
-    dynamic = runner.arguments.dynamic
-    named = [(f"argument {name!r}", t) for name, t in arguments.items() if isinstance(t, torch.Tensor)
-             and name not in dynamic]
-    state = writable(named + model_state(runner, arguments))
+    state = state_tensors(runner, arguments)
     return [(t, t.clone(), name) for name, t in state] if _copy_fits([t for _, t in state]) else None
 
 

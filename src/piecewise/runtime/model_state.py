@@ -1,4 +1,5 @@
-"""The state a call of the model could write in place, beside its static tensor arguments."""
+"""The state a call of the model could write in place, beside its static tensor arguments; and ``Written``, which
+puts back after the first call's rehearsals what they added to it."""
 
 from __future__ import annotations
 
@@ -44,3 +45,64 @@ def writable(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Ten
             seen.add(key)
             out.append((name, tensor))
     return out
+
+
+def state_tensors(runner: Any, arguments: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor a call could write in place, each with its name: the static tensor arguments and
+    ``model_state``."""
+    dynamic = runner.arguments.dynamic
+    named = [(f"argument {name!r}", t) for name, t in arguments.items() if isinstance(t, torch.Tensor)
+             and name not in dynamic]
+    return writable(named + model_state(runner, arguments))
+
+
+class Written:
+    """The first call runs the forward many times (the warm-up, the checks, a capture per size, the search's
+    timing). A write that replaces (a KV cache's rows, a table built on first use) ends where one call would; one
+    that adds (vLLM's expert-load count for EPLB, a step counter in a buffer) would hold every rehearsal's share.
+    Taken before the warm-up: a copy of each state tensor (smallest first, within ``budget``); after it, what the
+    warm-up wrote. ``put_back`` restores what it held before the call to each tensor the warm-up wrote and a later
+    run wrote again otherwise (written on every run, so the call writes it once more); what only the warm-up wrote
+    (built on first use) stays. A tensor too large to copy (a KV cache beyond the budget) is left as it is."""
+
+    def __init__(self):
+        self.copies, self.after = [], None
+
+    def take(self, runner: Any, arguments: dict[str, Any]) -> None:
+        kept, room = [], {}
+        for name, tensor in sorted(state_tensors(runner, arguments), key=lambda nt: nt[1].numel()):
+            size = 2 * tensor.numel() * tensor.element_size()  # the copy before, and the one after the warm-up
+            if tensor.device.type == "meta" or size > room.setdefault(tensor.device, _budget(tensor.device)):
+                continue
+            room[tensor.device] -= size
+            kept.append((name, tensor, tensor.clone()))
+        self.copies, self.after = kept, None
+
+    def warmed_up(self) -> None:
+        self.copies = [(name, t, copy) for name, t, copy in self.copies if not _same_bits(t, copy)]
+        self.after = [t.clone() for _, t, _ in self.copies]
+
+    def put_back(self, everything: bool = False) -> list[str]:
+        """Restore the tensors written on every run (``everything``: each the warm-up wrote, a refused first call
+        leaving no trace); their names."""
+        names = []
+        for (name, tensor, copy), after in zip(self.copies, self.after or [None] * len(self.copies)):
+            if everything or not _same_bits(tensor, after):
+                tensor.copy_(copy)
+                names.append(name)
+        self.copies, self.after = [], None
+        return names
+
+
+def _budget(device: torch.device) -> int:
+    """Bytes the copies may take: a quarter of the free memory on CUDA, 2 GiB elsewhere."""
+    return torch.cuda.mem_get_info(device)[0] // 4 if device.type == "cuda" else 2 << 30
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (a NaN equals itself; float8 has no ``==`` on every device)."""
+    bits = _BITS.get(a.element_size()) if not a.is_complex() else None
+    return bool(torch.equal(a.view(bits), b.view(bits)) if bits is not None else torch.equal(a, b))

@@ -1,0 +1,150 @@
+"""Never silently wrong, with state that adds up: the first call runs the forward many times (warm-up, padding
+checks, a capture per size, ``compiler="auto"``'s timing). Writes that replace (cache rows, a table built on first
+use) end where one call would; writes that add (vLLM's expert-load count for EPLB, a step counter in a buffer, a
+histogram in a static argument) must hold the first call's share once, as eager does, and every later call's after
+it. A refused first call leaves them as they were."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import piecewise
+from piecewise.errors import ForwardRefused
+
+MAX = 8
+FRONTENDS = ["dynamo", "breakable", "auto"]
+COUNTS = [5, 3, 1, 8, 9, 2]  # above the ladder's top too (the model's own forward)
+
+
+@torch.library.custom_op("test_accumulated::count_experts", mutates_args=("load", "steps"))
+def count_experts(load: torch.Tensor, steps: torch.Tensor, topk: torch.Tensor) -> None:
+    """vLLM's EPLB load count: a custom op (not a splitting one) that adds each token's experts to a buffer, and
+    counts its steps."""
+    flat = topk.flatten()
+    load.scatter_add_(0, flat, torch.ones_like(flat, dtype=load.dtype))
+    steps.add_(1)
+
+
+class Routed(nn.Module):
+    """A top-2 router whose expert load and steps are counted into buffers. (An update from its own value in plain
+    code, ``self.steps.add_(1)``, is refused at the first call by both front-ends: ``test_trust.py``.)"""
+
+    def __init__(self, hidden: int = 16, experts: int = 8):
+        super().__init__()
+        self.embed, self.gate = nn.Embedding(64, hidden), nn.Linear(hidden, experts)
+        self.experts = nn.Parameter(torch.randn(experts, hidden, hidden) * 0.1)
+        self.register_buffer("load", torch.zeros(experts))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        weights, topk = self.gate(x).softmax(-1).topk(2, -1)
+        count_experts(self.load, self.steps, topk)
+        return torch.einsum("th,tkhd->td", x, self.experts[topk] * weights[..., None, None])
+
+
+def _twins():
+    torch.manual_seed(0)
+    model = Routed().eval()
+    twin = Routed().eval()
+    twin.load_state_dict(model.state_dict())
+    return model, twin
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("compiler", ["eager", "auto"])
+def test_a_count_added_to_on_every_run_holds_each_call_once(frontend, compiler):
+    model, twin = _twins()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX, frontend=frontend, compiler=compiler))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for calls, tokens in enumerate(COUNTS, 1):
+            ids = torch.randint(0, 64, (tokens,), generator=generator)
+            torch.testing.assert_close(runner(ids), twin(ids))
+            assert torch.equal(model.load, twin.load), (tokens, model.load, twin.load)
+            assert int(model.steps) == calls, (tokens, int(model.steps))
+    assert model.load.sum() == 2 * sum(COUNTS)
+
+
+class Histogram(nn.Module):
+    """A histogram the caller passes (a static argument), added to by a splitting op on the real rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = nn.Embedding(64, 16), nn.Linear(16, 16)
+
+    def forward(self, ids, histogram):
+        tally(ids, histogram)
+        return self.out(self.embed(ids))
+
+
+@piecewise.opaque_op("test_accumulated::tally", mutates_args=("histogram",), split=True)
+def tally(ids: torch.Tensor, histogram: torch.Tensor) -> None:
+    histogram.index_add_(0, ids, torch.ones_like(ids, dtype=histogram.dtype))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_static_argument_a_splitting_op_adds_to_holds_each_call_once(frontend):
+    torch.manual_seed(0)
+    model = Histogram().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX, frontend=frontend))
+    histogram, want = torch.zeros(64), torch.zeros(64)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for tokens in COUNTS:
+            ids = torch.randint(0, 64, (tokens,), generator=generator)
+            torch.testing.assert_close(runner(ids, histogram), model(ids, want.clone()))
+            want.index_add_(0, ids, torch.ones(tokens))
+            assert torch.equal(histogram, want), tokens
+
+
+class BuiltOnFirstUse(nn.Module):
+    """A table filled on the first run only (a Python flag says so), read on every run: it must stay filled."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.register_buffer("table", torch.zeros(64, 16))
+        self.built = False
+
+    def forward(self, ids):
+        if not self.built:
+            self.table.copy_(torch.linspace(-1, 1, 64 * 16).view(64, 16))
+            self.built = True
+        return self.embed(ids) * self.table[ids]
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_table_built_on_first_use_stays_built(frontend):
+    torch.manual_seed(0)
+    model = BuiltOnFirstUse().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX, frontend=frontend))
+    fresh = BuiltOnFirstUse().eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the flag set on the first run: the attributes' warning, not this test's
+        for tokens in COUNTS:
+            ids = torch.randint(0, 64, (tokens,))
+            torch.testing.assert_close(runner(ids), fresh(ids))
+    assert model.table.abs().sum() > 0
+
+
+class MixedAfterCounting(Routed):
+    """Counts, then reads across the rows (a softmax over the tokens): refused at the first call."""
+
+    def forward(self, ids):
+        return super().forward(ids).softmax(0)
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_refused_first_call_leaves_the_count_as_it_was(frontend):
+    torch.manual_seed(0)
+    model = MixedAfterCounting().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX, frontend=frontend))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match="mixes tokens"):
+        runner(torch.randint(0, 64, (5,)))
+    assert model.load.sum() == 0 and int(model.steps) == 0
