@@ -334,11 +334,12 @@ def guess_tokens(model: Any, args: tuple, kwargs: dict) -> int | None:
 
 
 def other_token_dims(taken: Arguments, arguments: dict[str, Any], tokens: int) -> str:
-    """A hint naming the static tensor arguments with a dimension past the first as long as the call's tokens
-    (vLLM's M-RoPE positions [3, T]): likely token arguments in another layout."""
-    found = {name: next(d for d in range(1, value.dim()) if value.shape[d] == tokens)
+    """A hint naming the static tensor arguments with a dimension as long as the call's tokens: token arguments
+    left out of a ``dynamic=`` that names others (a pipeline stage's hidden states and residual), or in another
+    layout (vLLM's M-RoPE positions [3, T])."""
+    found = {name: next(d for d in range(value.dim()) if value.shape[d] == tokens)
              for name, value in arguments.items() if isinstance(value, torch.Tensor)
-             and name not in taken.dynamic and tokens in tuple(value.shape)[1:]}
+             and name not in taken.dynamic and tokens in tuple(value.shape)}
     if not found:
         return ""
     named = {**{name: taken.moved.get(name, 0) for name in taken.dynamic}, **found}

@@ -1,14 +1,20 @@
 """The first call's probe of index bounds: the largest capture size run padded under ``BoundsCheck``; a size whose
-padded run would index out of range is left out, with one warning."""
+padded run would index out of range is left out, with one warning. So are the sizes past the model's own limit:
+where the padded run raises at a size the model's own forward refuses too (a buffer of 16 rows sliced by the count,
+``h[:n] + x``), the largest size that runs is found by bisection and the ladder ends there."""
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from typing import Any
 
 from ..capture.bounds import BoundsCheck, IndexOutOfRange
 from ..capture.state import Call, Phase
-from ..frontends.user_frames import chain_text, user_chain
+from ..context import forward_context
+from ..errors import REFUSALS, ForwardRefused, first_line
+from ..frontends.user_frames import caller_stacklevel, chain_text, is_user_file, user_chain
+from .arguments import other_token_dims
 from .core import Core
 
 
@@ -30,6 +36,10 @@ def drop_sizes_out_of_range(core: Core, arguments: dict[str, Any]) -> None:
             core.ladder.drop_above(size - 1, f"calls of more than {size - 1} tokens run without graphs: padded to "
                                              f"{size} the forward's {_described(exc)}")
             continue
+        except (RuntimeError, ValueError, IndexError) as exc:
+            if isinstance(exc, REFUSALS) or not _own_refusal(core, arguments, size):
+                raise
+            _end_at_own_limit(core, arguments, size, exc)
         finally:
             core.state.bounds = None
         break
@@ -48,6 +58,61 @@ def drop_sizes_out_of_range(core: Core, arguments: dict[str, Any]) -> None:
         f"range(size)?). Sizes above {top} are not captured, and calls of more than {top} tokens run without graphs "
         f"(the model's own limit applies to them). CaptureConfig(max_tokens={top}) says so and silences this.",
         stacklevel=6)
+
+
+def _padded_runs(core: Core, arguments: dict[str, Any], size: int) -> bool:
+    tokens = core.arguments.rows(arguments)
+    rows = min(tokens, size)
+    staged = core.stager.stage(core.arguments.leading(arguments, rows), core.arguments.given_tokens(arguments),
+                               rows, size)
+    try:
+        core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
+        return True
+    except (RuntimeError, ValueError, IndexError) as exc:
+        if isinstance(exc, REFUSALS):
+            raise
+        return False
+
+
+def _own_refusal(core: Core, arguments: dict[str, Any], size: int) -> bool:
+    """Whether the model's own forward refuses ``size`` rows made from the first call's (its rows repeated)."""
+    tokens = core.arguments.rows(arguments)
+    repeat = -(-size // tokens)
+    made = {**arguments, **{n: arguments[n].repeat(repeat, *[1] * (arguments[n].dim() - 1))[:size]
+                            for n in core.arguments.given_tokens(arguments)}}
+    try:
+        with forward_context(size, size, rehearsal=True):
+            core.model(**made)
+    except Exception:  # noqa: BLE001 - the model's own verdict on those rows
+        return True
+    return False
+
+
+def _end_at_own_limit(core: Core, arguments: dict[str, Any], size: int, exc: Exception) -> None:
+    """The top size's padded run raised ``exc`` and the model's own forward refuses that many rows: end the ladder
+    at the largest size whose padded run runs (bisection), with one warning; none: refused."""
+    sizes = core.ladder.sizes
+    low, high = -1, len(sizes) - 1  # sizes[high] fails; sizes[low] runs (-1: none known)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if _padded_runs(core, arguments, sizes[middle]) else (low, middle)
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if is_user_file(frame.filename)]
+    where = chain_text(frames[-1:]) or "a line of the forward"
+    if low < 0:
+        raise ForwardRefused(
+            f"piecewise: padded to any capture size the forward raises {first_line(exc, 200)} at {where}, as the "
+            f"model's own forward does on {size} rows: no size can be captured. It takes fewer rows than the "
+            f"smallest capture size ({sizes[0]})?", "token_layout") from exc
+    top, failing = sizes[low], sizes[high]  # (the ladder's own list: dropping sizes shortens it)
+    core.ladder.drop_above(top, f"calls of more than {top} tokens run without graphs: padded to {failing} or more "
+                                f"the forward raises, as the model's own forward does on {size} rows")
+    warnings.warn(
+        f"piecewise: padded to {size} tokens the forward raises {first_line(exc, 200)} at {where}, and the model's "
+        f"own forward refuses {size} rows too; padded to {failing} it raises, to {top} it runs (a buffer of {top} "
+        f"rows or so, sliced by the count?). Sizes above {top} are not captured, and calls of more than {top} tokens "
+        f"run the model's own forward (its own limit applies to them). CaptureConfig(max_tokens={top}) says so and "
+        f"silences this.{other_token_dims(core.arguments, arguments, core.arguments.rows(arguments))}",
+        stacklevel=caller_stacklevel())
 
 
 def _described(exc: IndexOutOfRange) -> str:

@@ -251,7 +251,10 @@ def check_one_token(core: Core, arguments: dict[str, Any]) -> None:
     for row in (0, tokens - 1) if tokens > 1 else (0,):
         one = {**arguments, **{name: arguments[name][row:row + 1] for name in given}}
         staged = core.stager.stage(one, given, 1, size)
+        saved, drawn = snapshot(core, arguments), RandomState()  # both runs start from the same state and draws
         padded = core.finish(core.run_call(Call(Phase.PADDED, size, 1), staged, rehearsal=True), 1, size, clone=True)
+        restore(saved)
+        drawn.restore()
         with forward_context(1, 1, rehearsal=True):
             exact = core.model(**one)  # the model's own forward on the real row (it writes what the padded call wrote)
         for got, want in zip(output_tensors(padded), output_tensors(exact)):

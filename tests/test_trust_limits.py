@@ -1,0 +1,107 @@
+"""Never silently wrong at the model's own limits: a forward that takes at most N rows (a pipeline stage's
+hidden-state and residual buffers of N rows, sliced by the count, as vLLM's intermediate tensors are) gets graphs up
+to the largest capture size it runs padded, one warning naming the line, and calls above run the model's own
+forward; a ``dynamic=`` that leaves out an argument with one row per token is named in the refusal."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import piecewise
+from piecewise.errors import ForwardRefused
+
+ROWS = 12
+
+
+@torch.library.custom_op("test_limits::fused_add_norm", mutates_args=("x", "residual"))
+def fused_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    """vLLM's fused_add_rms_norm: residual += x, then x = norm(residual), both in place."""
+    residual.add_(x)
+    x.copy_(residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * weight)
+
+
+class Stage(nn.Module):
+    """A later pipeline stage: the previous stage's hidden states and residual arrive in buffers of ROWS rows."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(64, hidden)
+        self.norms = nn.ParameterList(nn.Parameter(torch.ones(hidden)) for _ in range(2))
+        self.linears = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(2))
+
+    def forward(self, input_ids, positions, hidden_states, residual):
+        n = input_ids.shape[0]
+        x, residual = hidden_states[:n] + self.embed(input_ids), residual[:n]
+        for norm, linear in zip(self.norms, self.linears):
+            fused_add_norm(x, residual, norm)
+            x = linear(x)
+        return x
+
+
+def _buffers(generator):
+    return torch.randn(ROWS, 16, generator=generator), torch.randn(ROWS, 16, generator=generator)
+
+
+@pytest.mark.parametrize("frontend", ["breakable", "auto"])
+def test_sizes_past_the_models_own_row_limit_are_left_out_with_one_warning_naming_the_line(frontend):
+    torch.manual_seed(0)
+    model = Stage().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=64, frontend=frontend),
+                               dynamic={"input_ids": 0, "positions": 0})
+    generator = torch.Generator().manual_seed(1)
+    hidden, residual = _buffers(generator)  # the runner's static arguments: the same tensors, refilled each step
+    with torch.no_grad():
+        for calls, tokens in enumerate([5, 3, ROWS, 1, 7]):
+            new_hidden, new_residual = _buffers(generator)
+            hidden.copy_(new_hidden), residual.copy_(new_residual)
+            ids = torch.randint(0, 64, (tokens,), generator=generator)
+            theirs = new_residual.clone()
+            want = model(ids, torch.arange(tokens), new_hidden.clone(), theirs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = runner(ids, torch.arange(tokens), hidden, residual)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(residual, theirs)  # the caller's buffer updated in place, as eagerly
+            limits = [w for w in caught if "own forward refuses" in str(w.message)]
+            assert len(limits) == (calls == 0), [str(w.message) for w in caught]
+            if limits:
+                message = str(limits[0].message)
+                assert "hidden_states[:n]" in message and "max_tokens=8" in message, message
+                assert limits[0].filename == __file__
+    assert max(runner.stats.capture_sizes) == 8  # the ladder's largest size within ROWS
+    with torch.no_grad(), pytest.raises(RuntimeError, match="size of tensor"):
+        runner(torch.randint(0, 64, (ROWS + 1,)), torch.arange(ROWS + 1), hidden, residual)  # the model's own
+
+
+def test_a_dynamic_that_leaves_out_arguments_with_a_row_per_token_names_them():
+    torch.manual_seed(0)
+
+    class Unsliced(Stage):
+        def forward(self, input_ids, positions, hidden_states, residual):
+            x, residual = hidden_states + self.embed(input_ids), residual.clone()
+            for norm, linear in zip(self.norms, self.linears):
+                fused_add_norm(x, residual, norm)
+                x = linear(x)
+            return x
+
+    model = Unsliced().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8), dynamic={"input_ids": 0, "positions": 0})
+    with torch.no_grad(), pytest.raises(ForwardRefused) as refused:
+        runner(torch.randint(0, 64, (5,)), torch.arange(5), torch.randn(5, 16), torch.randn(5, 16))
+    assert "dynamic={'input_ids': 0, 'positions': 0, 'hidden_states': 0, 'residual': 0}" in str(refused.value)
+
+
+def test_a_row_limit_from_a_static_argument_as_long_as_the_first_call_names_the_dynamic_to_pass():
+    torch.manual_seed(0)
+    model = Stage().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8), dynamic={"input_ids": 0, "positions": 0})
+    hidden, residual = torch.randn(5, 16), torch.randn(5, 16)
+    with torch.no_grad(), pytest.warns(UserWarning, match="own forward refuses") as caught:
+        got = runner(torch.arange(5), torch.arange(5), hidden, residual.clone())
+    message = next(str(w.message) for w in caught if "own forward refuses" in str(w.message))
+    assert "'hidden_states' has shape (5, 16)" in message and "'hidden_states': 0" in message, message
+    torch.testing.assert_close(got, model(torch.arange(5), torch.arange(5), hidden, residual.clone()))
