@@ -1,5 +1,6 @@
 """Parameters, buffers or submodules replaced after the first call, or given other memory (``.data = ...``,
-``model.to()``): the graphs would read the old ones."""
+``model.to()``), layers added to or deleted from a container, a module class's ``forward`` patched: the trace and
+the graphs would go on with the old ones."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .. import _compat
 _calls_in_progress: list = []  # watches whose model is inside a call (a forward may assign its own attributes)
 _watched: "weakref.WeakSet[ParameterWatch]" = weakref.WeakSet()
 _hooks: list = []  # torch's handles of the registration hooks below
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
 def _on_registration(kind: str):
@@ -40,6 +42,8 @@ class ParameterWatch:
         self.modules: weakref.WeakSet = weakref.WeakSet()
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self.addresses: _compat.Addresses | None = None
+        self.containers: list[tuple[str, torch.nn.Module, dict, int]] = []
+        self.forwards: list[tuple[type, Any]] = []
 
     def start(self) -> None:
         if not _hooks:
@@ -50,6 +54,11 @@ class ParameterWatch:
         self.modules = weakref.WeakSet(self.model.modules())  # by identity; a module dropped later drops out
         self.tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
         self.addresses = _compat.Addresses([tensor for _, tensor in self.tensors])
+        # ModuleList.__delitem__ and insert pass no registration hook; a class's forward patched is no attribute of
+        # the model: each checked by identity at every call (a few containers and classes, well under a µs).
+        self.containers = [(name, module, module._modules, len(module._modules))
+                           for name, module in self.model.named_modules() if isinstance(module, _CONTAINERS)]
+        self.forwards = [(cls, cls.forward) for cls in dict.fromkeys(type(m) for m in self.model.modules())]
         _watched.add(self)
 
     def check(self) -> None:
@@ -60,12 +69,18 @@ class ParameterWatch:
             self.replaced = self.replaced or (
                 f"the memory of {len(moved)} parameter(s) or buffer(s) changed (`{moved[0]}` first: "
                 f"`.data = ...`, model.to(), .half() or .cuda())")
+        if self.replaced is None:
+            self.replaced = next((f"`{cls.__qualname__}.forward` was patched" for cls, forward in self.forwards
+                                  if cls.forward is not forward), None) or next(
+                (f"`{name}` had {count} layers at the first call and has {len(module._modules)} now"
+                 for name, module, layers, count in self.containers
+                 if module._modules is not layers or len(layers) != count), None)
         if self.replaced is not None:
             raise ValueError(
-                f"piecewise: {self.replaced} after the first call. The trace and the captured graphs read "
-                f"parameters and buffers where they were, so they would go on computing with the old ones. Write "
-                f"new values in place (param.copy_(new), model.load_state_dict(state) without assign=True), or "
-                f"compile the model again."
+                f"piecewise: {self.replaced} after the first call. The trace and the captured graphs keep the "
+                f"model's code, layers, parameters and buffers as they were, so they would go on computing with the "
+                f"old ones. Write new values in place (param.copy_(new), model.load_state_dict(state) without "
+                f"assign=True), or compile the model again (after patching code or changing its layers)."
             )
 
     def __enter__(self) -> None:
