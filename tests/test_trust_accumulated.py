@@ -148,3 +148,40 @@ def test_a_refused_first_call_leaves_the_count_as_it_was(frontend):
     with torch.no_grad(), pytest.raises(ForwardRefused, match="mixes tokens"):
         runner(torch.randint(0, 64, (5,)))
     assert model.load.sum() == 0 and int(model.steps) == 0
+
+
+class Sampler(nn.Module):
+    """Samples in forward from a generator of the caller's (vLLM's per-request seeded sampling) or its own."""
+
+    def __init__(self, held: bool):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 32)
+        self.generator = torch.Generator().manual_seed(7) if held else None
+
+    def forward(self, ids, generator=None):
+        probs = self.head(self.embed(ids)).softmax(-1)
+        noise = torch.empty_like(probs).exponential_(generator=generator or self.generator)
+        return probs.div(noise).argmax(-1)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["argument", "attribute"])
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_generator_of_the_callers_is_put_back_after_the_rehearsals_and_the_draws_warned_of(frontend, held):
+    """The rehearsals drew from it: the first call sampled other tokens than eager (5 of 5). Now it draws eager's
+    numbers; later calls pad, so the generator moves on by the padded count: warned of at the first call."""
+    torch.manual_seed(0)
+    model = Sampler(held).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX, frontend=frontend))
+    ids = torch.randint(0, 64, (MAX,))  # a capture size: no pad row draws
+    generator = None if held else torch.Generator().manual_seed(7)
+    with torch.no_grad(), pytest.warns(UserWarning, match="draws random numbers") as caught:
+        got = runner(ids, generator)
+    assert any("generator of your own" in str(w.message) for w in caught)
+    twin = Sampler(held).eval()
+    twin.load_state_dict(model.state_dict())
+    theirs = None if held else torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        want = twin(ids, theirs)
+    assert torch.equal(got, want)
+    ours = model.generator if held else generator  # moved on by one call's draws, as eager's
+    assert torch.equal(ours.get_state(), (twin.generator if held else theirs).get_state())

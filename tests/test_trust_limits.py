@@ -105,3 +105,24 @@ def test_a_row_limit_from_a_static_argument_as_long_as_the_first_call_names_the_
     message = next(str(w.message) for w in caught if "own forward refuses" in str(w.message))
     assert "'hidden_states' has shape (5, 16)" in message and "'hidden_states': 0" in message, message
     torch.testing.assert_close(got, model(torch.arange(5), torch.arange(5), hidden, residual.clone()))
+
+
+class Temperature(nn.Module):
+    """Per-token temperatures divide the logits, then a draw: a zero temperature (the pad rows') gives NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 32)
+
+    def forward(self, ids, temperature):
+        probs = (self.head(self.embed(ids)) / temperature[:, None]).softmax(-1)
+        return torch.multinomial(probs, 1)[:, 0]
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable", "auto"])
+def test_a_forward_that_cannot_take_the_pad_rows_zeros_is_refused_naming_them(frontend):
+    """Before, the model's own error from inside the padding check (breakable: a raw RuntimeError)."""
+    runner = piecewise.compile(Temperature(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"the rest zeros\), the forward raises RuntimeError: "
+                                                               r"probability tensor.*temperature\.clamp_min"):
+        runner(torch.randint(0, 64, (5,)), torch.rand(5) + 0.5)

@@ -9,6 +9,8 @@ import traceback
 import warnings
 from typing import Any
 
+import torch
+
 from ..capture.bounds import BoundsCheck, IndexOutOfRange
 from ..capture.state import Call, Phase
 from ..context import forward_context
@@ -37,8 +39,8 @@ def drop_sizes_out_of_range(core: Core, arguments: dict[str, Any]) -> None:
                                              f"{size} the forward's {_described(exc)}")
             continue
         except (RuntimeError, ValueError, IndexError) as exc:
-            if isinstance(exc, REFUSALS) or not _own_refusal(core, arguments, size):
-                raise
+            if isinstance(exc, (*REFUSALS, torch.OutOfMemoryError)) or not _own_refusal(core, arguments, size):
+                raise  # (running out of memory: the caller's ``CaptureOutOfMemory``)
             _end_at_own_limit(core, arguments, size, exc)
         finally:
             core.state.bounds = None
@@ -69,7 +71,7 @@ def _padded_runs(core: Core, arguments: dict[str, Any], size: int) -> bool:
         core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
         return True
     except (RuntimeError, ValueError, IndexError) as exc:
-        if isinstance(exc, REFUSALS):
+        if isinstance(exc, (*REFUSALS, torch.OutOfMemoryError)):
             raise
         return False
 

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import logging
-import random
+import traceback
 import warnings
 from typing import Any
 
@@ -22,8 +22,10 @@ from ..capture.outputs import output_tensors, unmapped_leaves
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused, first_line
+from ..frontends.user_frames import chain_text, is_user_file
 from ..stored import values
 from .arguments import nested_rows, other_token_dims
+from .random_state import RandomState
 from .core import Core
 from .full_graphs import restore, snapshot
 from .verify import rel_error, tolerance
@@ -33,25 +35,6 @@ logger = logging.getLogger(__name__)
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
-class RandomState:
-    """Python's and torch's generator states (CPU and every initialised CUDA device), to draw the same numbers
-    again."""
-
-    def __init__(self):
-        self.python = random.getstate()
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-    def same(self, other: RandomState) -> bool:
-        cuda = (self.cuda is None) == (other.cuda is None) and all(
-            torch.equal(a, b) for a, b in zip(self.cuda or (), other.cuda or ()))
-        return self.python == other.python and torch.equal(self.cpu, other.cpu) and cuda
-
-    def restore(self) -> None:
-        random.setstate(self.python)
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
 
 
 def check_padding(core: Core, arguments: dict[str, Any]) -> None:
@@ -127,8 +110,25 @@ def _padded_run(core: Core, arguments: dict[str, Any], given: list[str], rows: i
         output = core.run_call(Call(Phase.PADDED, size, rows), staged, rehearsal=True)
     except Exception as exc:
         refuse_if_rows_refused(core, core.arguments.leading(arguments, rows), rows, size, arguments, exc)
-        raise
+        if type(exc) not in (RuntimeError, ValueError, ZeroDivisionError):  # not a trace's (its own types)
+            raise
+        raise _refused_padding(exc, rows, size) from exc
     return core.finish(output, rows, size, clone=True)
+
+
+def _refused_padding(exc: Exception, rows: int, size: int) -> ForwardRefused:
+    """The forward raised ``exc`` on ``rows`` real rows padded to ``size``, where the model's own forward takes
+    those rows (``refuse_if_rows_refused`` asked it): the pad rows' values are the cause."""
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if is_user_file(frame.filename)]
+    where = chain_text(frames[-1:])
+    return ForwardRefused(
+        f"piecewise: padded to {size} rows ({rows} real, the rest zeros), the forward raises {first_line(exc, 200)}"
+        f"{' at ' + where if where else ''}, where the model's own forward takes the {rows} real rows. Every call "
+        f"is padded to a capture size and the pad rows hold zeros in every token argument (a token id 0, position "
+        f"0, a temperature or divisor of 0): the forward must accept them. Clamp such a value "
+        f"(`temperature.clamp_min(1e-5)`), or move the code that cannot take a zero into a splitting op "
+        f"(piecewise.opaque_op(..., split=True)), which sees only the real rows.", "token_layout",
+        frames[-1:])
 
 
 def _same(first: list, second: list) -> bool:

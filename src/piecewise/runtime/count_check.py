@@ -52,8 +52,9 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
         warnings.warn(
             "piecewise: the forward draws random numbers. A padded call draws them for its padded rows, so each "
             "call's rows are as random as eager's, but the generator moves on by the padded count: after "
-            "torch.manual_seed, a sequence of calls samples other numbers than the same calls run eagerly. Sample "
-            "outside forward, or from a generator passed to each call, where runs must repeat eager's.",
+            "torch.manual_seed (or a generator of your own given to forward), a sequence of calls samples other "
+            "numbers than the same calls run eagerly. Sample outside forward (as vLLM and SGLang do, after it) where "
+            "runs must repeat eager's.",
             stacklevel=caller_stacklevel())
         return
     got, got_state = run(size)

@@ -25,8 +25,8 @@ from ..frontends.dynamo_trace import DynamoBlocked
 from ..opaque import check_fakes, opaque_call_counts, resolve_splitting_ops
 from .bounds import drop_sizes_out_of_range
 from .capture_sizes import capture_all, out_of_memory
-from .checks import (ModuleState, RandomState, check_one_token, check_padding, refuse_if_rows_refused,
-                     warn_changed_state)
+from .checks import ModuleState, check_one_token, check_padding, refuse_if_rows_refused, warn_changed_state
+from .random_state import OWN_GENERATORS, RandomState, own_generators, refuse_cuda_generators
 from . import op_reads
 from .core import Core
 from .count_check import check_count
@@ -88,6 +88,7 @@ def prepare(core: Core, arguments: dict[str, Any]) -> None:
     """Warm up, choose the front-end, check padding, capture (on CUDA); on a refusal put the model's Python
     attributes back as they were. The random generators are put back either way: the call then draws what an
     eager call would have."""
+    OWN_GENERATORS[:] = own_generators(core.model, arguments)  # the caller's own, put back with the others
     before, generators, written = ModuleState(core.model), RandomState(), Written()
     try:
         _prepare(core, arguments, before, written)
@@ -107,6 +108,7 @@ def prepare(core: Core, arguments: dict[str, Any]) -> None:
         raise
     finally:
         generators.restore()
+        OWN_GENERATORS.clear()
 
 
 class _Clock:
@@ -154,6 +156,8 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState, w
     devices = {t.device.type for t in model_tensors} | {arguments[name].device.type for name in given}
     use_graphs = core.config.cuda_graphs and "cuda" in devices and torch.cuda.is_available()
     core.state.graphs_enabled = core.stats.cuda_graphs = use_graphs
+    if use_graphs:
+        refuse_cuda_generators(core.model, arguments)
     device = arguments[given[0]].device
     core.full.resolve(called, resolve_splitting_ops(core.config.splitting_ops), device)
     candidates = _candidates(core)
