@@ -126,3 +126,44 @@ def test_a_forward_that_cannot_take_the_pad_rows_zeros_is_refused_naming_them(fr
     with torch.no_grad(), pytest.raises(ForwardRefused, match=r"the rest zeros\), the forward raises RuntimeError: "
                                                                r"probability tensor.*temperature\.clamp_min"):
         runner(torch.randint(0, 64, (5,)), torch.rand(5) + 0.5)
+
+
+CONTEXT: dict[str, torch.Tensor] = {}
+"""vLLM's forward context: per-token slots set in a global before each step, a new tensor of the step's rows."""
+
+
+class FromContext(nn.Module):
+    def __init__(self, sliced: bool):
+        super().__init__()
+        self.sliced, self.embed, self.q = sliced, nn.Embedding(64, 16), nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(32, 4, 4))
+
+    def forward(self, ids):
+        q = self.q(self.embed(ids)).reshape(-1, 4, 4)
+        if self.sliced:
+            self.cache.index_copy_(0, CONTEXT["slots"][: q.shape[0]], q)
+        else:
+            self.cache[CONTEXT["slots"]] = q
+        return q.sum(-1)
+
+
+def test_per_token_slots_read_from_a_global_are_named_as_the_rows_that_stayed_the_first_calls():
+    CONTEXT["slots"] = torch.arange(5)
+    runner = piecewise.compile(FromContext(sliced=False), piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"read from a global do not carry tokens.*"
+                                                               r"global `[\w.]*test_trust_limits\.CONTEXT\['slots'\]` "
+                                                               r"kept the first call's 5 rows"):
+        runner(torch.arange(5))
+
+
+def test_auto_names_what_every_front_end_refused():
+    """Dynamo sees a condition on the count (the slice of a global of the first call's rows); breakable names the
+    read itself: both are in the refusal."""
+    CONTEXT["slots"] = torch.arange(5)
+    runner = piecewise.compile(FromContext(sliced=True), piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad(), warnings.catch_warnings(), pytest.raises(ForwardRefused) as refused:
+        warnings.simplefilter("ignore")
+        runner(torch.arange(5))
+    message = str(refused.value)
+    assert "depends on the token count" in message, message
+    assert "The breakable front-end refused it too" in message and "CONTEXT[\"slots\"][: q.shape[0]]" in message

@@ -28,6 +28,7 @@ from .arguments import nested_rows, other_token_dims
 from .random_state import RandomState
 from .core import Core
 from .full_graphs import restore, snapshot
+from .model_state import global_tensors
 from .verify import rel_error, tolerance
 
 logger = logging.getLogger(__name__)
@@ -203,11 +204,12 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)):
         return  # (a trace's error where the model's own forward takes the rows is the trace's: propagated below)
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
-    nested = nested_rows(arguments, tokens)
+    nested = nested_rows(arguments, tokens) + [name for name, t in global_tensors(core.model)
+                                                 if t.dim() > 0 and t.shape[0] == tokens]
     if nested:  # they are the cause: their rows stayed the first call's (eager may even broadcast them)
-        refusal = (f"{first_line(error)}. Tensors inside an argument do not carry tokens, only tensor arguments of "
-                   f"forward do: {', '.join(nested)} kept the first call's {tokens} rows. Pass them as arguments of "
-                   f"forward (a wrapper module can unpack the object)")
+        refusal = (f"{first_line(error)}. Tensors inside an argument or read from a global do not carry tokens, "
+                   f"only tensor arguments of forward do: {', '.join(nested)} kept the first call's {tokens} rows. "
+                   f"Pass them as arguments of forward (a wrapper module can unpack an object)")
     else:
         # A trace's error (Dynamo's fake tensors, the token count symbolic) may come from rows the model's own
         # forward takes only by broadcasting one row: its verdict is asked on a second count too.

@@ -167,7 +167,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState, w
     if recorded is not None:
         candidates = (recorded, *(c for c in candidates if c != recorded))  # the others if it fails now
     reasons: list[str] = []
-    refusals: list[Exception] = []
+    refusals: list[tuple[str, Exception]] = []
     taken = candidates[0]
     for index, candidate in enumerate(candidates):
         core.frontend = make_frontend(candidate.name, core.parts(), **candidate.options)
@@ -227,10 +227,11 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState, w
             final = _REFUSED_BY_BOTH | ({BlockerKind.TOKEN_BRANCH} if core.frontend.runs_every_size else set())
             if isinstance(exc, CaptureOutOfMemory) or (isinstance(exc, ForwardRefused) and exc.kind in final):
                 raise
-            if last:  # a refusal of the search names the model's code best: the first one
-                raise refusals[0] if refusals else exc
-            if isinstance(exc, (ForwardRefused, CaptureFailed)):  # failures that name the model's line
-                refusals.append(exc)
+            named = isinstance(exc, (ForwardRefused, CaptureFailed))  # failures that name the model's line
+            if named:
+                refusals.append((core.frontend.name, exc))
+            if last:  # a refusal of the search names the model's code best: the first one, with the others'
+                raise _with_others(refusals) if refusals else exc
             reasons.append(_reset_after(core, exc, candidate, candidates[index + 1]))
         finally:
             core.state.preparing = False
@@ -308,6 +309,17 @@ def _rehearse(core: Core, arguments: dict[str, Any], count: int) -> Any:
         if count < tokens:  # rows past the call's own: its first rows repeated (a batch-first call is named later)
             refuse_if_rows_refused(core, made, count, count, arguments, exc)
         raise
+
+
+def _with_others(refusals: list[tuple[str, Exception]]) -> Exception:
+    """The first front-end's refusal, its message followed by what the others refused (a shape condition Dynamo
+    saw may follow from a read breakable names: a per-token tensor read from a global)."""
+    first = refusals[0][1]
+    others = [f"The {name} front-end refused it too: {str(exc).removeprefix('piecewise: ')}"
+              for name, exc in refusals[1:] if str(exc) != str(first)]
+    if others and first.args and isinstance(first.args[0], str):
+        first.args = ("\n\n".join([first.args[0], *dict.fromkeys(others)]), *first.args[1:])
+    return first
 
 
 def _reset_after(core: Core, exc: Exception, failing: Candidate, following: Candidate) -> str:

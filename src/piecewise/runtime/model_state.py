@@ -3,6 +3,9 @@ puts back after the first call's rehearsals what they added to it."""
 
 from __future__ import annotations
 
+import functools
+import sys
+import types
 from typing import Any
 
 import torch
@@ -56,6 +59,23 @@ def state_tensors(runner: Any, arguments: dict[str, Any]) -> list[tuple[str, tor
     return writable(named + model_state(runner, arguments))
 
 
+def global_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Tensors held by the globals of the files that define the model's classes (not torch's): a forward context's
+    dict of recurrent states a splitting op finds by a layer's name, a table built at import."""
+    named = []
+    files = dict.fromkeys(type(m).__module__ for m in model.modules())
+    for file in [f for f in files if f and f.split(".")[0] != "torch" and f in sys.modules]:
+        for key, value in list(vars(sys.modules[file]).items()):
+            if not key.startswith("__") and not isinstance(value, _NOT_STATE) \
+                    and not type(value).__module__.startswith("piecewise"):  # a runner held in a global
+                named += [(f"global `{file}.{path}`", t) for path, t in walk_tensors(value, key) if t is not None]
+    return named
+
+
+_NOT_STATE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
+              functools.partial, torch.nn.Module)
+
+
 class Written:
     """The first call runs the forward many times (the warm-up, the checks, a capture per size, the search's
     timing). A write that replaces (a KV cache's rows, a table built on first use) ends where one call would; one
@@ -70,7 +90,8 @@ class Written:
 
     def take(self, runner: Any, arguments: dict[str, Any]) -> None:
         kept, room = [], {}
-        for name, tensor in sorted(state_tensors(runner, arguments), key=lambda nt: nt[1].numel()):
+        state = writable(state_tensors(runner, arguments) + global_tensors(runner.model))
+        for name, tensor in sorted(state, key=lambda nt: nt[1].numel()):
             size = 2 * tensor.numel() * tensor.element_size()  # the copy before, and the one after the warm-up
             if tensor.device.type == "meta" or size > room.setdefault(tensor.device, _budget(tensor.device)):
                 continue
