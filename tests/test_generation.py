@@ -6,6 +6,7 @@ and top-k / top-p / temperature keep the tokens they should; streaming yields wh
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -80,6 +81,21 @@ def test_the_models_eos_token_stops_by_default_and_streaming_yields_what_generat
     for index, token in piecewise.generate_stream(model, prompts, 5):
         streamed[index].append(token)
     assert streamed == [g.tolist() for g in got]
+
+
+@pytest.mark.parametrize("setting", [("repetition_penalty", 1.3), ("no_repeat_ngram_size", 3),
+                                     ("suppress_tokens", [7]), ("do_sample", True)])
+def test_generation_config_settings_generate_does_not_apply_are_named_in_a_warning(setting):
+    """Before, its tokens differed from transformers' generate with that config, silently."""
+    model = build("Llama", seed=3)
+    prompts = [torch.randint(2, 250, (5,), generator=torch.Generator().manual_seed(4))]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        piecewise.generate(model, prompts, 2)
+    assert not any("generation_config also sets" in str(w.message) for w in caught)
+    setattr(model.generation_config, *setting)
+    with pytest.warns(UserWarning, match=rf"generation_config also sets {setting[0]}=.*which it does not apply"):
+        piecewise.generate(model, prompts, 2)
 
 
 def test_sampling_is_reproducible_by_seed_and_differs_across_seeds():

@@ -485,3 +485,22 @@ def test_transformers_own_output_capturing_hooks_are_not_named():
             out = runner(ids, use_cache=False)
     assert not [w for w in caught if "forward hooks" in str(w.message)]
     torch.testing.assert_close(out.logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_config_flag_flipped_after_the_first_call_that_dynamo_cannot_retrace_runs_the_models_own_forward():
+    """``config.output_hidden_states = True`` after the first call: Dynamo's retrace meets transformers' output
+    capture (a lock it cannot enter). Before, Dynamo's raw ``Unsupported`` on every later call."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="dynamo"))
+    with torch.no_grad():
+        runner(torch.randint(0, 64, (1, 5)), use_cache=False)
+        model.config.output_hidden_states = True
+        ids = torch.randint(0, 64, (1, 3))
+        with pytest.warns(UserWarning, match="traced again after the first call"):
+            got = runner(ids, use_cache=False)
+        want = model(ids, use_cache=False)
+    assert len(got.hidden_states) == len(want.hidden_states) == 3
+    torch.testing.assert_close(got.logits, want.logits)

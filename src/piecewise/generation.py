@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,7 @@ from torch import nn
 
 from .capture.segment import runner_call
 from .config import CaptureConfig
+from .frontends.user_frames import caller_stacklevel
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """model → {(config fields): (TokenModel, runner)}: one compile per model and settings."""
@@ -142,11 +144,38 @@ def _stop_tokens(model: nn.Module, stop_tokens: Sequence[int] | None) -> set[int
     return set() if eos is None else {int(eos)} if isinstance(eos, int) else set(int(t) for t in eos)
 
 
+_NEUTRAL = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "suppress_tokens": None, "begin_suppress_tokens":
+            None, "bad_words_ids": None, "min_new_tokens": None, "min_length": 0, "num_beams": 1, "do_sample": False,
+            "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None}
+"""transformers' ``GenerationConfig`` fields ``generate`` does not apply, with the values that change nothing."""
+
+
+def _warn_of_unapplied(model: nn.Module) -> None:
+    """One warning naming the model's ``generation_config`` settings that change transformers' tokens and that
+    ``generate`` does not apply (a repetition penalty; ``do_sample`` with its temperature, which a caller passes)."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    set_ = {name: getattr(config, name) for name, neutral in _NEUTRAL.items()
+            if getattr(config, name, neutral) not in (neutral, None) and getattr(config, name) != neutral}
+    if not set_:
+        return
+    shown = ", ".join(f"{name}={value!r}" for name, value in set_.items())
+    sampling = " (sampling: pass temperature, top_k and top_p to generate)" if set_.get("do_sample") else ""
+    warnings.warn(
+        f"piecewise.generate applies the temperature, top_k, top_p, seed and stop_tokens it is given and the model's "
+        f"eos_token_id; model.generation_config also sets {shown}, which it does not apply{sampling}: its tokens "
+        f"differ from transformers' generate with that config. Use transformers' generate for them, or clear them "
+        f"(model.generation_config.{next(iter(set_))} = {_NEUTRAL[next(iter(set_))]!r}) to silence this.",
+        stacklevel=caller_stacklevel())
+
+
 def generate_stream(model: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int | Sequence[int], *,
                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                     seed: int | None = None, stop_tokens: Sequence[int] | None = None, max_batch: int = 32,
                     prefill_tokens: int = 8192, config: CaptureConfig | None = None) -> Iterator[tuple[int, int]]:
     """As ``generate``, yielding ``(prompt index, token id)`` as each token is sampled."""
+    _warn_of_unapplied(model)
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(limits) != len(prompts):
         raise ValueError(f"max_new_tokens has {len(limits)} limits for {len(prompts)} prompts: give one, or one each")

@@ -89,7 +89,7 @@ class DynamoFrontend:
         except StateChanged:
             self.stats.traces += self.traced_in_call  # the new trace stays (Dynamo's cache): counted
             raise
-        except (*_compat.RECOMPILE_LIMIT, *_compat.TRACE_ERROR, ForwardRefused) as exc:
+        except (*_compat.RECOMPILE_LIMIT, *_compat.TRACE_ERROR, *_compat.UNTRACEABLE, ForwardRefused) as exc:
             failure = trace_failure(exc, self.describe_change, self.state.preparing, self.tracer.method)
             if failure is None:
                 raise

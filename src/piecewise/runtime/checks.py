@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..capture.outputs import output_tensors, unmapped_leaves
+from ..capture.outputs import output_tensors, unmapped_leaves, walk_tensors
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused, first_line
@@ -204,8 +204,10 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)):
         return  # (a trace's error where the model's own forward takes the rows is the trace's: propagated below)
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
-    nested = nested_rows(arguments, tokens) + [name for name, t in global_tensors(core.model)
-                                                 if t.dim() > 0 and t.shape[0] == tokens]
+    given = {t.untyped_storage().data_ptr() for value in arguments.values() for _, t in walk_tensors(value)
+             if t is not None}  # a global that is the call's own argument (a notebook's `ids`) is not the cause
+    nested = nested_rows(arguments, tokens) + [name for name, t in global_tensors(core.model) if t.dim() > 0
+                                                 and t.shape[0] == tokens and t.untyped_storage().data_ptr() not in given]
     if nested:  # they are the cause: their rows stayed the first call's (eager may even broadcast them)
         refusal = (f"{first_line(error)}. Tensors inside an argument or read from a global do not carry tokens, "
                    f"only tensor arguments of forward do: {', '.join(nested)} kept the first call's {tokens} rows. "
