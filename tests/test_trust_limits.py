@@ -148,12 +148,14 @@ class FromContext(nn.Module):
 
 
 def test_per_token_slots_read_from_a_global_are_named_as_the_rows_that_stayed_the_first_calls():
-    CONTEXT["slots"] = torch.arange(5)
+    CONTEXT["slots"], CONTEXT["ids"] = torch.arange(5), torch.arange(5)  # the call's own ids held in a global too
     runner = piecewise.compile(FromContext(sliced=False), piecewise.CaptureConfig(max_tokens=8))
     with torch.no_grad(), pytest.raises(ForwardRefused, match=r"read from a global do not carry tokens.*"
                                                                r"global `[\w.]*test_trust_limits\.CONTEXT\['slots'\]` "
-                                                               r"kept the first call's 5 rows"):
-        runner(torch.arange(5))
+                                                               r"kept the first call's 5 rows") as refused:
+        runner(CONTEXT["ids"])
+    assert "CONTEXT['ids']" not in str(refused.value)
+    del CONTEXT["ids"]
 
 
 def test_auto_names_what_every_front_end_refused():
