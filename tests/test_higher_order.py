@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import piecewise
+from piecewise.errors import ForwardRefused
 from piecewise.models.llama import LlamaConfig, TinyLlama
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -48,3 +49,33 @@ def test_torch_cond_on_a_device_switch_follows_the_switch_and_equals_eager(front
         assert runner.stats["eager_writes"] == 1 and runner.stats["graph_mode"] == "piecewise"
         assert "torch.cond" in runner.stats["graph_mode_reason"]
 
+
+
+class Flex(torch.nn.Module):
+    """gpt-fast's attention through ``flex_attention`` (eager: torch compiles its own wrapper on every call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qkv = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 96)
+
+    def forward(self, ids):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q, k, v = self.qkv(self.embed(ids)).view(1, -1, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return flex_attention(q, k, v)[0].transpose(0, 1).flatten(1)
+
+
+def test_flex_attention_refused_by_breakable_names_the_remedies_and_leaves_eager_flex_working():
+    """Before, the refusal blamed `cond`, and torch's eager flex_attention failed for the rest of the process
+    (Dynamo had marked its wrapper while it ran under breakable's dispatch mode)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    model = Flex().eval()
+    ids = torch.randint(0, 64, (8,))
+    with torch.no_grad():
+        before = model(ids)
+        runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend="breakable"))
+        with pytest.raises(ForwardRefused, match=r"higher-order op `flex_attention`.*splitting op.*dynamo"):
+            runner(ids)
+        torch.testing.assert_close(model(ids), before)
+        q = torch.randn(1, 2, 8, 16)
+        torch.testing.assert_close(flex.flex_attention(q, q, q), torch.nn.functional.scaled_dot_product_attention(q, q, q))

@@ -100,11 +100,15 @@ class BreakableFrontend:
             operator = re.search(r"HigherOrderOperator (\w+)", str(exc))
             if operator is None:
                 raise
+            _forget_frames(exc.__traceback__)  # what Dynamo marked while they ran under the interceptor's mode
+            how = ("a `cond` imported by name, `from torch import cond`: call it as `torch.cond(...)`, which breakable "
+                   "runs as the Python branch it stands for" if operator[1] == "cond" else
+                   "it has no rule for breakable's dispatch mode: make the call a splitting op "
+                   "(piecewise.opaque_op(..., split=True)), as attention is")
             raise ForwardRefused(
-                f"piecewise: the forward calls the higher-order op `{operator[1]}` in a way the breakable front-end "
-                f"cannot run (a `cond` imported by name, `from torch import cond`, or an op it does not know). Call "
-                f"it as `torch.cond(...)`, which breakable runs as the Python branch it stands for, or use "
-                f"CaptureConfig(frontend='dynamo'), which runs it between the captured pieces.", "host_sync") from exc
+                f"piecewise: the forward calls the higher-order op `{operator[1]}`, which the breakable front-end "
+                f"cannot run ({how}), or use CaptureConfig(frontend='dynamo'), which runs it between the captured "
+                f"pieces.", "host_sync") from exc
 
     def splitting_ops(self) -> frozenset[str]:
         return self.splitting
@@ -249,3 +253,13 @@ class BreakableFrontend:
 
     def mixing_hint(self) -> tuple[str, list]:
         return "", []
+
+
+def _forget_frames(traceback: Any) -> None:
+    """Drop Dynamo's state for the code of every frame in ``traceback``: a higher-order op's wrapper that
+    ``torch.compile`` ran under breakable's dispatch mode (``flex_attention`` in eager) was left marked, and the
+    user's own eager calls of it failed from then on."""
+    remove = getattr(torch._dynamo.eval_frame, "remove_from_cache", None)
+    while traceback is not None and remove is not None:
+        remove(traceback.tb_frame.f_code)
+        traceback = traceback.tb_next
