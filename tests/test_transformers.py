@@ -504,3 +504,21 @@ def test_a_config_flag_flipped_after_the_first_call_that_dynamo_cannot_retrace_r
         want = model(ids, use_cache=False)
     assert len(got.hidden_states) == len(want.hidden_states) == 3
     torch.testing.assert_close(got.logits, want.logits)
+
+
+def test_an_attention_mask_first_given_at_a_one_token_call_follows_the_ids_batch_first_layout():
+    """Before, the [1, 1] mask was taken as tokens-first for good: the next [1, 4] call was refused with a wrong
+    dynamic= to pass."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the mask's first appearance: the model's own forward, warned
+        runner(torch.randint(0, 64, (1, 5)), use_cache=False)
+        for tokens in (1, 4, 3):
+            ids = torch.randint(0, 64, (1, tokens))
+            got = runner(ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            want = model(ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            torch.testing.assert_close(got.logits, want.logits)

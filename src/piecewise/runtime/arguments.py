@@ -240,12 +240,15 @@ class Arguments:
         argument (slot mappings: padded and staged per call), or a static tensor read and written in place.
         Returns the new static tensors."""
         adopted = []
-        for name, value in arguments.items():
+        dim = self.moved.get(next(iter(self.dynamic), ""), 0)  # the token arguments' layout ([batch, tokens]: 1)
+        for name, value in list(arguments.items()):
             if not isinstance(value, torch.Tensor) or name in self.dynamic or name in self.static_ptrs:
                 continue
             self.late.add(name)
-            if not self.dynamic_given and 1 <= value.dim() <= 2 and value.shape[0] == tokens:
-                self.dynamic[name] = 0
+            if not self.dynamic_given and dim < value.dim() <= 2 and value.shape[dim] == tokens:
+                self.dynamic[name] = 0  # a late attention mask [1, tokens] beside batch-first ids
+                if dim:
+                    self.moved[name], arguments[name] = dim, value.movedim(dim, 0)
             else:
                 self.static_ptrs[name] = value.data_ptr()
                 adopted.append(value)
