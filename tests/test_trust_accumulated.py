@@ -221,3 +221,48 @@ def test_a_state_a_splitting_op_finds_through_a_global_holds_each_call_once(fron
             ids, seq = torch.randint(0, 64, (len(sequences),)), torch.tensor(sequences)
             torch.testing.assert_close(runner(ids, seq), twin(ids, seq))
             torch.testing.assert_close(STATES["ours"], STATES["theirs"])
+
+
+@torch.library.custom_op("test_accumulated::step", mutates_args=("state",))
+def step(x: torch.Tensor, seq: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """A recurrent decode step per token (a custom op, not a splitting one): read the sequence's state, write it."""
+    new = 0.9 * state[seq] + x
+    state.index_copy_(0, seq, new)
+    return new.clone()
+
+
+@step.register_fake
+def _(x, seq, state):
+    return x.new_empty(x.shape)
+
+
+class Holder:
+    """A plain object on the model holding its state (a cache manager)."""
+
+    def __init__(self):
+        self.state = torch.zeros(4, 16)
+
+
+class HeldState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head, self.holder = nn.Embedding(64, 16), nn.Linear(16, 16), Holder()
+
+    def forward(self, ids, seq):
+        return self.head(step(self.embed(ids), seq, self.holder.state))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_state_held_by_a_plain_object_on_the_model_is_written_on_the_real_rows(frontend):
+    """Breakable took the object's tensor for an activation: its write ran for the pad rows too, and the first call
+    was refused as mixing tokens into state (Dynamo served it)."""
+    torch.manual_seed(0)
+    model, twin = HeldState().eval(), HeldState().eval()
+    twin.load_state_dict(model.state_dict())
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX, frontend=frontend),
+                               dynamic={"ids": 0, "seq": 0})
+    with torch.no_grad():
+        for sequences in [[0, 1, 2], [1, 3], [2], [0, 1, 2, 3], [3]]:
+            ids, seq = torch.randint(0, 64, (len(sequences),)), torch.tensor(sequences)
+            torch.testing.assert_close(runner(ids, seq), twin(ids, seq))
+            torch.testing.assert_close(model.holder.state, twin.holder.state)

@@ -31,7 +31,7 @@ from . import op_reads
 from .core import Core
 from .count_check import check_count
 from .full_graphs import check_full_padding
-from .model_state import Written
+from .model_state import Written, model_state
 from .hooks import refuse_positional_pre_hooks, warn_of_forward_hooks
 from .outputs import refuse_made_tensors_in_objects, warn_of_kept_tensors
 from .verify import verify
@@ -138,6 +138,8 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState, w
                                       if value is not None and not isinstance(value, torch.Tensor)
                                       and name not in core.arguments.dynamic
                                       for _, t in walk_tensors(value) if t is not None)
+    # So are tensors the modules hold as plain attributes (an SSM state in `self.mgr.state`, vLLM's kv_cache list).
+    core.state.static_storages.update(t.untyped_storage().data_ptr() for _, t in model_state(core, arguments))
     started = time.perf_counter()
     tokens = core.arguments.rows(arguments)
     refuse_positional_pre_hooks(core.model)
