@@ -169,3 +169,24 @@ def test_auto_names_what_every_front_end_refused():
     message = str(refused.value)
     assert "depends on the token count" in message, message
     assert "The breakable front-end refused it too" in message and "CONTEXT[\"slots\"][: q.shape[0]]" in message
+
+
+class Concatenated(nn.Module):
+    """Returns two per-token tensors concatenated along the tokens ([2T, V]), as a draft-and-target step might."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.a, self.b = nn.Embedding(64, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return torch.cat([self.a(x), self.b(x)])
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "auto"])
+def test_an_output_with_more_rows_than_tokens_is_refused_saying_so(frontend):
+    """Before, only 'the forward mixes tokens: a sum, softmax... over the tokens', which it does not."""
+    runner = piecewise.compile(Concatenated(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"rows for \d+ padded tokens are not one per token: a "
+                                                               r"cat of two per-token tensors"):
+        runner(torch.randint(0, 64, (5,)))

@@ -142,6 +142,10 @@ def _compare_outputs(core: Core, zeros_output: Any, copies_output: Any, rows: in
         difference, allowed = _difference(zeros, copies)
         if not difference <= allowed:  # NaN included
             hint, chain = core.frontend.mixing_hint()
+            if zeros.dim() and zeros.shape[0] not in (rows, size) and zeros.shape[0] > size:
+                hint += (f" Its {zeros.shape[0]} rows for {size} padded tokens are not one per token: a cat of two "
+                         f"per-token tensors, a flatten across the tokens or a pad by a row puts pad rows among the "
+                         f"real ones. Return per-token tensors separately (a tuple) and combine them after the call.")
             raise ForwardRefused(
                 f"piecewise: the forward mixes tokens: with {rows} real token(s) padded to {size}, output "
                 f"{index} (shape {tuple(zeros.shape)}) changes by {difference:.1e} (relative) when the padding "
