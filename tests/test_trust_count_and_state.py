@@ -460,3 +460,42 @@ def test_a_global_the_forward_sets_itself_is_not_taken_for_a_change_after_the_fi
     with torch.no_grad():
         for start, stop in ((0, 5), (5, 6), (6, 9)):
             _refused_or_equal(runner, model, ids, (start, stop), cache, reference, None)
+
+
+class Punica:
+    """vLLM's LoRA wrapper: per-token adapter indices set on it before each step."""
+
+    def __init__(self, indices: torch.Tensor):
+        self.indices = indices
+
+
+class WithLora(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.lora_a = torch.nn.Parameter(torch.randn(3, 16, 16) * 0.1)
+        self.punica = Punica(torch.zeros(5, dtype=torch.long))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return x + torch.bmm(self.lora_a[self.punica.indices[: x.shape[0]]], x.unsqueeze(-1)).squeeze(-1)
+
+
+def test_a_per_token_tensor_replaced_on_an_object_the_model_holds_is_refused_by_breakable_and_followed_by_dynamo():
+    """Breakable's replays would read the first call's indices; Dynamo reads the object's tensor at every call."""
+    torch.manual_seed(0)
+    for frontend in ("breakable", "dynamo"):
+        model = WithLora().eval()
+        runner = piecewise.compile(model, _config(frontend))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.punica.indices = torch.randint(0, 3, (32,))  # more than the graphs take: Dynamo's slice holds
+            runner(torch.randint(0, 64, (8,)))
+            model.punica.indices = torch.randint(0, 3, (32,))  # the next step's, a new tensor
+            ids = torch.randint(0, 64, (4,))
+            if frontend == "breakable":
+                with pytest.raises(ValueError, match=r"`punica\.indices` changed after the first call, and the "
+                                                     r"forward reads it at .*self\.punica\.indices\["):
+                    runner(ids)
+            else:
+                torch.testing.assert_close(runner(ids), model(ids))

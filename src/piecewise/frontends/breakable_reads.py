@@ -33,7 +33,8 @@ def _reading_class(cls: type, settings: bool = False) -> type:
         def __getattribute__(self, name):
             value = cls.__getattribute__(self, name) if settings else object.__getattribute__(self, name)
             own = name in object.__getattribute__(self, "__dict__")
-            if (type(value) in PLAIN and own and bool(_RECORDING)) if settings else (
+            kept = type(value) in PLAIN or isinstance(value, torch.Tensor)  # a field: a value, or a tensor by identity
+            if (kept and own and bool(_RECORDING)) if settings else (
                     name not in _compat.MODULE_BOOKKEEPING and (own or (type(value) in _CLASS_DEFAULTS
                                                                       and not name.startswith("__")))):
                 key = (id(self), name)
