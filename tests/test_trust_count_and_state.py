@@ -499,3 +499,30 @@ def test_a_per_token_tensor_replaced_on_an_object_the_model_holds_is_refused_by_
                     runner(ids)
             else:
                 torch.testing.assert_close(runner(ids), model(ids))
+
+
+class Meta:
+    """Attention metadata the forward builds and keeps on an object at every run (a cache manager's mask)."""
+
+    mask = None
+
+
+class BuildsItsMeta(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.meta = torch.nn.Embedding(64, 16), Meta()
+
+    def forward(self, ids):
+        self.meta.mask = torch.ones(ids.shape[0], 1)
+        return self.embed(ids) * self.meta.mask
+
+
+def test_a_tensor_the_forward_itself_keeps_on_an_object_at_every_run_is_not_taken_for_a_change_after_the_first_call():
+    model, twin = BuildsItsMeta().eval(), BuildsItsMeta().eval()
+    twin.load_state_dict(model.state_dict())
+    runner = piecewise.compile(model, _config("breakable"))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for tokens in (5, 3, 8, 1):
+            ids = torch.randint(0, 64, (tokens,))
+            torch.testing.assert_close(runner(ids), twin(ids))

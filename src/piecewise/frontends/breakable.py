@@ -142,8 +142,7 @@ class BreakableFrontend:
         call = state.call
         if call.phase is Phase.DIRECT:
             output = self.call_forward(arguments)
-            if state.preparing:  # globals the forward sets itself (a counter): the values after the first call count
-                self.reads.globals.refresh()
+            self.reads.refresh()  # values the forward sets itself (a counter, a mask it keeps): those after its run
             return output
         if call.phase is Phase.REPLAY:
             recording = self.recordings.get(call.size)
@@ -165,8 +164,7 @@ class BreakableFrontend:
         with state.bounds if call.checked else contextlib.nullcontext(), \
                 self.interceptor(self, call.num_tokens, call.size, recording, log, self.surveying) as interceptor:
             output = interceptor.forward(arguments)
-        if state.preparing:
-            self.reads.globals.refresh()
+        self.reads.refresh()  # (a replay runs no Python: what the forward set stays as the capture left it)
         if log is not None:
             self._judge(log, call.size, kind)
         if self.surveying is None:

@@ -132,6 +132,12 @@ class AttributeReads:
             return  # the same value again (an eager call of the model assigning what it had)
         self.assigned.append((module, name))
 
+    def refresh(self) -> None:
+        """After each run of the first call: the values its forward set itself (a field, a global) are the ones to
+        keep; only a change after it is one the graphs would miss."""
+        self.globals.refresh()
+        self.fields = [(holder, fields, name, fields.get(name, _MISSING)) for holder, fields, name, _ in self.fields]
+
     def check(self) -> None:
         """Raise ``ValueError`` when an attribute the forward reads was assigned since it was recorded, or a field of
         a settings object it reads holds another value."""
