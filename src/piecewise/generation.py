@@ -156,8 +156,8 @@ def _warn_of_unapplied(model: nn.Module) -> None:
     config = getattr(model, "generation_config", None)
     if config is None:
         return
-    set_ = {name: getattr(config, name) for name, neutral in _NEUTRAL.items()
-            if getattr(config, name, neutral) not in (neutral, None) and getattr(config, name) != neutral}
+    set_ = {name: value for name, neutral in _NEUTRAL.items()
+            if (value := getattr(config, name, None)) is not None and value != neutral}
     if not set_:
         return
     shown = ", ".join(f"{name}={value!r}" for name, value in set_.items())

@@ -142,7 +142,8 @@ class BreakableFrontend:
         call = state.call
         if call.phase is Phase.DIRECT:
             output = self.call_forward(arguments)
-            self.reads.refresh()  # values the forward sets itself (a counter, a mask it keeps): those after its run
+            if state.preparing or not state.graphs_enabled:  # values the forward sets itself (a counter, a mask it
+                self.reads.refresh()  # keeps): those after its run. After capture, a change must reach a replay
             return output
         if call.phase is Phase.REPLAY:
             recording = self.recordings.get(call.size)
@@ -164,7 +165,8 @@ class BreakableFrontend:
         with state.bounds if call.checked else contextlib.nullcontext(), \
                 self.interceptor(self, call.num_tokens, call.size, recording, log, self.surveying) as interceptor:
             output = interceptor.forward(arguments)
-        self.reads.refresh()  # (a replay runs no Python: what the forward set stays as the capture left it)
+        if state.preparing or not state.graphs_enabled:  # (a replay runs no Python: what the forward set stays as
+            self.reads.refresh()  # the capture left it, and a change by the caller must still be seen there)
         if log is not None:
             self._judge(log, call.size, kind)
         if self.surveying is None:

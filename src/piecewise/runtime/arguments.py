@@ -101,6 +101,16 @@ class Arguments:
         """``arguments`` with each token argument cut to its first ``rows`` rows."""
         return {**arguments, **{name: arguments[name][:rows] for name in self.given_tokens(arguments)}}
 
+    def made(self, arguments: dict[str, Any], rows: int) -> dict[str, Any]:
+        """``arguments`` with ``rows`` rows made from the call's: its leading rows, or its rows repeated (the rows
+        they write are the call's own)."""
+        tokens = self.rows(arguments)
+        if rows <= tokens:
+            return self.leading(arguments, rows)
+        repeat = -(-rows // tokens)
+        return {**arguments, **{n: arguments[n].repeat(repeat, *[1] * (arguments[n].dim() - 1))[:rows]
+                                for n in self.given_tokens(arguments)}}
+
     def _check_dynamic(self, dynamic: dict[str, int] | None) -> dict[str, int] | None:
         if dynamic is None:
             return None  # decided at the first call: see _default_dynamic

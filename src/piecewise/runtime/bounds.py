@@ -78,10 +78,7 @@ def _padded_runs(core: Core, arguments: dict[str, Any], size: int) -> bool:
 
 def _own_refusal(core: Core, arguments: dict[str, Any], size: int) -> bool:
     """Whether the model's own forward refuses ``size`` rows made from the first call's (its rows repeated)."""
-    tokens = core.arguments.rows(arguments)
-    repeat = -(-size // tokens)
-    made = {**arguments, **{n: arguments[n].repeat(repeat, *[1] * (arguments[n].dim() - 1))[:size]
-                            for n in core.arguments.given_tokens(arguments)}}
+    made = core.arguments.made(arguments, size)
     try:
         with forward_context(size, size, rehearsal=True):
             core.model(**made)

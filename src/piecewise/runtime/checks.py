@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
-
-
 def check_padding(core: Core, arguments: dict[str, Any]) -> None:
     """Run the first call's leading tokens padded by one row, after a run that traces (Dynamo) and builds what the
     forward builds on first use, the padding rows zero and then copies of real rows (the generators put back in
@@ -210,8 +208,9 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
     given = {t.untyped_storage().data_ptr() for value in arguments.values() for _, t in walk_tensors(value)
              if t is not None}  # a global that is the call's own argument (a notebook's `ids`) is not the cause
-    nested = nested_rows(arguments, tokens) + [name for name, t in global_tensors(core.model) if t.dim() > 0
-                                                 and t.shape[0] == tokens and t.untyped_storage().data_ptr() not in given]
+    nested = nested_rows(arguments, tokens) + [
+        name for name, t in global_tensors(core.model)
+        if t.dim() > 0 and t.shape[0] == tokens and t.untyped_storage().data_ptr() not in given]
     if nested:  # they are the cause: their rows stayed the first call's (eager may even broadcast them)
         refusal = (f"{first_line(error)}. Tensors inside an argument or read from a global do not carry tokens, "
                    f"only tensor arguments of forward do: {', '.join(nested)} kept the first call's {tokens} rows. "

@@ -300,11 +300,7 @@ def _rehearse(core: Core, arguments: dict[str, Any], count: int) -> Any:
     repeated at the end."""
     tokens = core.arguments.rows(arguments)
     given = core.arguments.given_tokens(arguments)
-    if count <= tokens:
-        made = core.arguments.leading(arguments, count)
-    else:
-        made = {**arguments, **{name: torch.cat([arguments[name], arguments[name][:count - tokens]])
-                                for name in given}}
+    made = core.arguments.made(arguments, count)
     try:
         return core.run_call(Call(Phase.PADDED, count, count), direct_tokens(made, given), rehearsal=True)
     except Exception as exc:

@@ -51,8 +51,9 @@ def refuse_cuda_generators(model: torch.nn.Module, arguments: dict[str, Any]) ->
         for key, value in vars(module).items() if any(value is g for g in own)]
     where = ", ".join(names) or "found in its arguments"
     raise ForwardRefused(
-        f"piecewise: the forward draws from a torch.Generator of its own on CUDA ({where}). Piecewise's CUDA graphs replay random draws from torch's default generator only: from "
-        f"another one a replay would not draw what eager draws. Sample outside forward (as vLLM and SGLang do, "
+        f"piecewise: the forward draws from a torch.Generator of its own on CUDA ({where}). Piecewise's CUDA "
+        f"graphs replay random draws from torch's default generator only: from another one a replay would not draw "
+        f"what eager draws. Sample outside forward (as vLLM and SGLang do, "
         f"after it), draw from the default generator (torch.manual_seed), or compile with "
         f"CaptureConfig(cuda_graphs=False).", "capture_illegal")
 

@@ -229,18 +229,12 @@ def _timed(trial, arguments: dict[str, Any], beyond: bool, rounds: int = 5,
     tokens = trial.arguments.rows(arguments)
     top = trial.ladder.sizes[-1]
     sizes = sorted({s for s in (*SIZES, top) if s <= top and (beyond or s <= tokens)})
-    given = trial.arguments.given_tokens(arguments)
     times = {}
     kept = trial.last_arguments, dict(trial.stats)
     trial.timing = True
     try:
         for size in sizes:
-            if size <= tokens:
-                made = trial.arguments.leading(arguments, size)
-            else:  # the first rows repeated: the rows they write are the first call's own
-                repeat = -(-size // tokens)
-                made = {**arguments, **{n: arguments[n].repeat(repeat, *[1] * (arguments[n].dim() - 1))[:size]
-                                        for n in given}}
+            made = trial.arguments.made(arguments, size)  # past the call's rows: its rows repeated
             if not _rehearsed(trial, made, size):
                 continue  # the forward refuses these rows (fewer or more than the first call's): not timed
             trial._call((), made)
