@@ -109,6 +109,7 @@ def child(case: str, tiny: bool, profile: bool) -> dict:
             profiler.disable()
             report = pstats.Stats(profiler, stream=sys.stderr)
             report.sort_stats("tottime").print_stats(25)
+            report.sort_stats("cumulative").print_stats(60)
             report.sort_stats("cumulative").print_stats(r"piecewise|builtins.compile|_dynamo/eval_frame", 70)
             report.print_callers(r"builtins.compile")
         first = time.perf_counter() - started
