@@ -157,7 +157,7 @@ class Patchable(TinyLlama):
     """A subclass of its own, so that patching its layers' class leaves other tests' classes alone."""
 
 
-@pytest.mark.parametrize("change", ["class_forward", "del_layer", "insert_layer"])
+@pytest.mark.parametrize("change", ["class_forward", "del_layer", "insert_layer", "reorder_layers"])
 @pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
 def test_a_class_forward_patched_or_layers_deleted_after_the_first_call_are_refused(frontend, change):
     """``Layer.forward = patched`` (a class, not the instance: no attribute of the model changes) or ``del
@@ -178,9 +178,13 @@ def test_a_class_forward_patched_or_layers_deleted_after_the_first_call_are_refu
         elif change == "del_layer":
             del model.layers[1]
             match = r"`layers` had 2 layers at the first call and has 1 now"
-        else:
+        elif change == "insert_layer":
             model.layers.insert(0, model.layers[1])
             match = r"`layers` had 2 layers at the first call and has 3 now"
+        else:  # the same dict, the same length, no registration hook: breakable's replays kept the old order
+            modules = model.layers._modules
+            modules["0"], modules["1"] = modules["1"], modules["0"]
+            match = r"the layers of `layers` were replaced or reordered"
         with pytest.raises(ValueError, match=match + r".*compile the model again"):
             runner(torch.randint(0, CONFIG.vocab_size, (3,)), torch.arange(5, 8), cache)
 

@@ -56,3 +56,18 @@ def test_a_layer_deleted_after_the_first_call_is_refused_before_a_replay(fronten
         del model.linears[1]
         with pytest.raises(ValueError, match=r"`linears` had 2 layers at the first call and has 1 now"):
             runner(*args(3))
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_layers_reordered_in_place_after_the_first_call_are_refused_before_a_replay(frontend):
+    """``_modules["0"], _modules["1"] = ...``: the same container, the same length and no registration hook, and
+    every parameter at its address: a replay would run the old order."""
+    model, runner, hidden, residual = _stage(frontend, 8)
+    args = lambda n: (torch.randint(0, 64, (n,), device="cuda"), torch.arange(n, device="cuda"), hidden, residual)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner(*args(5))
+        modules = model.linears._modules
+        modules["0"], modules["1"] = modules["1"], modules["0"]
+        with pytest.raises(ValueError, match=r"the layers of `linears` were replaced or reordered"):
+            runner(*args(3))

@@ -203,7 +203,8 @@ class OpLog:
             other = entries[index] if index < len(entries) else None
             if other is not None and other[0] is func:
                 if len(other[1]) != len(entry[1]) or not all(_agree(p, q, same) for p, q in zip(other[1], entry[1])):
-                    self.differences[position] = f"{_op(func)} at {line_text(line)} ({other[1]} then {entry[1]})"
+                    self.differences[position] = f"{_op(func)} at {line_text(line)} ({entry[1]}; the other run: " \
+                                                 f"{other[1]})"
                 continue
             # Another op here. The same call at the same size takes another path only through data or first-use
             # work (a table built once), and between sizes a path that only uploads host data is first-use work

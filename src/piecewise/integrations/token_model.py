@@ -23,6 +23,7 @@ class TokenModel(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.training = model.training  # the mode the wrapped model is in, not nn.Module's default
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:

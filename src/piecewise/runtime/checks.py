@@ -206,12 +206,20 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)):
         return  # (a trace's error where the model's own forward takes the rows is the trace's: propagated below)
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
-    given = {t.untyped_storage().data_ptr() for value in arguments.values() for _, t in walk_tensors(value)
-             if t is not None}  # a global that is the call's own argument (a notebook's `ids`) is not the cause
+    given = [t for value in arguments.values() for _, t in walk_tensors(value) if t is not None]
+    # A global that is the call's own argument (a notebook's `ids`), or a copy of one, is not the cause.
     nested = nested_rows(arguments, tokens) + [
-        name for name, t in global_tensors(core.model)
-        if t.dim() > 0 and t.shape[0] == tokens and t.untyped_storage().data_ptr() not in given]
-    if nested:  # they are the cause: their rows stayed the first call's (eager may even broadcast them)
+        name for name, t in global_tensors(core.model) if t.dim() > 0 and t.shape[0] == tokens and not any(
+            t.untyped_storage().data_ptr() == g.untyped_storage().data_ptr() or _equal(t, g) for g in given)]
+    indexing = [name for name, value in arguments.items() if name not in core.arguments.dynamic
+                and isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() > 0
+                and not value.is_floating_point() and value.dtype != torch.bool and rows <= int(value.max()) < tokens]
+    if indexing and "out of bounds" in str(error):  # vLLM's logits_indices, taken inside forward
+        refusal = (f"{first_line(error)}. Argument(s) {', '.join(f'`{n}`' for n in indexing)} index the call's rows "
+                   f"(up to {max(int(arguments[n].max()) for n in indexing)}) but do not have one row per token. Index "
+                   f"the output after the runner returns (as vLLM computes the logits at its logits_indices after "
+                   f"the model's forward), or inside a splitting op, which sees the real rows")
+    elif nested:  # they are the cause: their rows stayed the first call's (eager may even broadcast them)
         refusal = (f"{first_line(error)}. Tensors inside an argument or read from a global do not carry tokens, "
                    f"only tensor arguments of forward do: {', '.join(nested)} kept the first call's {tokens} rows. "
                    f"Pass them as arguments of forward (a wrapper module can unpack an object)")
@@ -242,6 +250,10 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         f"real rows." + other_token_dims(core.arguments, arguments, tokens),
         "token_layout",
     ) from error
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
 
 
 def check_one_token(core: Core, arguments: dict[str, Any]) -> None:

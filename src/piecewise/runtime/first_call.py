@@ -62,7 +62,8 @@ class Candidate:
 
 _BREAKABLE = Candidate("breakable", {}, "the breakable front-end (CUDA graphs between splitting ops, pieces not "
                                         "compiled)")
-_AUTO = (Candidate("dynamo", {"on_blocker": "report"}, compiles=True), _BREAKABLE,
+_AUTO = (Candidate("dynamo", {"on_blocker": "report"}, "the Dynamo front-end (one trace of the whole forward)",
+                   compiles=True), _BREAKABLE,
          Candidate("dynamo", {"on_blocker": "break"}, "the Dynamo front-end with graph breaks (each untraceable "
                                                       "region runs eagerly)", compiles=True))
 
@@ -333,8 +334,9 @@ def _reset_after(core: Core, exc: Exception, failing: Candidate, following: Cand
         summary = f"{failed} failed ({type(inner).__name__})"
     fusion = " (and compiler='inductor' fusion)" if failing.compiles and not following.compiles else ""
     warnings.warn(
-        f"piecewise: the {failed} front-end cannot take this forward, so it runs with {following.description}. Fix "
-        f"what is below to bring the {failed} front-end back{fusion}, or choose a front-end with "
+        f"piecewise: the {failed} front-end cannot take this forward, so it runs with "
+        f"{following.description or following.name}. Fix what is below to bring the {failed} front-end "
+        f"back{fusion}, or choose a front-end with "
         f"CaptureConfig(frontend=...) to skip this search:\n" + "\n\n".join(reasons),
         stacklevel=7,
     )

@@ -31,6 +31,21 @@ from .hooks import HookState
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
+_READS_TRAINING: dict[type, bool] = {}
+
+
+def _reads_training(cls: type) -> bool:
+    """Whether a module class's own code (any function of its classes below ``nn.Module``) reads ``training``."""
+    found = _READS_TRAINING.get(cls)
+    if found is None:
+        found = _READS_TRAINING[cls] = any(
+            "training" in getattr(getattr(value, "__func__", value), "__code__", None).co_names
+            for klass in cls.__mro__ if klass not in (torch.nn.Module, object)
+            for value in vars(klass).values()
+            if hasattr(getattr(value, "__func__", value), "__code__"))
+    return found
+
+
 def _plain(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return all(_plain(v) for v in value)
@@ -46,6 +61,8 @@ class CallGuard:
         """(argument name, shape tokens-first) → the shape in the argument's own layout, for messages."""
         self.global_state: Any = None
         self.training: bool | None = None
+        self.modes: list[tuple[str, torch.nn.Module, bool]] = []
+        """Submodules whose code reads ``self.training`` (dropout, batch norm), with their mode at the first call."""
         self.hooks: HookState | None = None
         self.expected: dict[str, tuple] = {}
         self.warned: set[str] = set()
@@ -55,6 +72,8 @@ class CallGuard:
         objects by their fields (the graphs read what they held at capture), not by identity."""
         self.global_state = _compat.global_state_guard()
         self.training = self.model.training
+        self.modes = [(name, module, module.training) for name, module in self.model.named_modules()
+                      if name and _reads_training(type(module))]
         self.hooks = HookState(self.model)
         self.expected = {name: _kind(value, name in token_names, deep) for name, value in arguments.items()
                          if value is not None}
@@ -77,6 +96,10 @@ class CallGuard:
         if self.model.training is not self.training:
             return f"the model is in {'train' if self.model.training else 'eval'} mode now and was in " \
                    f"{'train' if self.training else 'eval'} mode at the first call"
+        for name, module, training in self.modes:  # `model.layers[0].train()`: replays would keep the capture's
+            if module.training is not training:
+                return f"submodule `{name}` is in {'train' if module.training else 'eval'} mode now and was in " \
+                       f"{'train' if training else 'eval'} mode at the first call"
         expected = self.expected
         given = 0
         for name, value in arguments.items():

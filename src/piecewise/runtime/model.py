@@ -49,7 +49,13 @@ class PiecewiseModel(Core):
         dynamic = self.arguments.dynamic
         return None if dynamic is None else {name: self.arguments.moved.get(name, 0) for name in dynamic}
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("piecewise: a runner holds CUDA graphs, compiled code and buffers of this process, and cannot "
+                        "be copied or pickled: copy or pickle the model, and piecewise.compile the copy")
+
     def __call__(self, *args, **kwargs) -> Any:
+        if torch.compiler.is_compiling():  # inside the caller's torch.compile: run outside its trace (a graph break)
+            return _outside_compile(self, args, kwargs)
         with runner_call():  # one runner call (and capture) at a time in the process
             return self._call(args, kwargs)
 
@@ -270,3 +276,11 @@ def _with_hints(exc: ForwardRefused, arguments: dict[str, Any], binder: Any) -> 
     if not notes:
         return exc
     return ForwardRefused(" ".join([str(exc), *notes]), exc.kind, exc.chain)
+
+
+@torch._dynamo.disable
+def _outside_compile(runner: PiecewiseModel, args: tuple, kwargs: dict) -> Any:
+    """A runner called from code the caller compiles runs as it does outside: its own trace and graphs cannot be
+    part of another trace."""
+    return runner(*args, **kwargs)
+

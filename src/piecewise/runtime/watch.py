@@ -56,9 +56,10 @@ class ParameterWatch:
         self.addresses = _compat.Addresses([tensor for _, tensor in self.tensors])
         # ModuleList.__delitem__ and insert pass no registration hook; a class's forward patched is no attribute of
         # the model: each checked by identity at every call (a few containers and classes, well under a µs).
-        self.containers = [(name, module, module._modules, len(module._modules))
+        self.containers = [(name, module, module._modules, list(module._modules.values()))
                            for name, module in self.model.named_modules() if isinstance(module, _CONTAINERS)]
-        self.forwards = [(cls, cls.forward) for cls in dict.fromkeys(type(m) for m in self.model.modules())]
+        self.forwards = [(cls, cls.forward) for cls in dict.fromkeys(type(m) for m in self.model.modules())
+                         if not issubclass(cls, torch.jit.ScriptModule)]  # (whose class has no plain forward)
         _watched.add(self)
 
     def check(self) -> None:
@@ -72,9 +73,11 @@ class ParameterWatch:
         if self.replaced is None:
             self.replaced = next((f"`{cls.__qualname__}.forward` was patched" for cls, forward in self.forwards
                                   if cls.forward is not forward), None) or next(
-                (f"`{name}` had {count} layers at the first call and has {len(module._modules)} now"
-                 for name, module, layers, count in self.containers
-                 if module._modules is not layers or len(layers) != count), None)
+                (f"`{name}` had {len(children)} layers at the first call and has {len(module._modules)} now"
+                 if len(module._modules) != len(children) else f"the layers of `{name}` were replaced or reordered"
+                 for name, module, layers, children in self.containers
+                 if module._modules is not layers or len(layers) != len(children)
+                 or any(a is not b for a, b in zip(layers.values(), children))), None)
         if self.replaced is not None:
             raise ValueError(
                 f"piecewise: {self.replaced} after the first call. The trace and the captured graphs keep the "

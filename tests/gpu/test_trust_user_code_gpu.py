@@ -1,0 +1,71 @@
+"""``tests/test_trust_user_code.py`` with CUDA graphs replayed: a submodule switched to train mode after the first call
+runs the model's own forward (a replay would keep the capture's eval mode, its dropout left out), an expert capacity
+from the token count is refused, and a runner called from compiled code replays its graphs."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+import piecewise
+from piecewise.errors import ForwardRefused
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+import test_trust_user_code as cases  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_submodule_in_train_mode_is_not_replayed_in_eval_mode(frontend):
+    torch.manual_seed(0)
+    model = cases.WithDropout().eval().cuda()
+    reference = copy.deepcopy(model)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], frontend=frontend,
+                                                              cache_dir=None))
+    x = torch.randn(5, cases.H, device="cuda")
+    runner(x)
+    assert runner.stats["graphs"] > 0
+    model.drop.train()
+    reference.drop.train()
+    with pytest.warns(UserWarning, match=r"submodule `drop` is in train mode now"):
+        torch.manual_seed(1)
+        got = runner(x)
+    torch.manual_seed(1)
+    want = reference(x)
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(want, model.b(model.a(x)))  # the dropout acted: a replay in eval mode would differ
+    model.drop.eval()
+    reference.drop.eval()
+    replays = runner.stats["replays"]
+    torch.testing.assert_close(runner(x[:3]), reference(x[:3]))
+    assert runner.stats["replays"] > replays
+
+
+@pytest.mark.parametrize("frontend", cases.FRONTENDS)
+def test_a_capacity_from_the_token_count_is_refused(frontend):
+    torch.manual_seed(0)
+    runner = piecewise.compile(cases.CapacityMoE().eval().cuda(), piecewise.CaptureConfig(
+        capture_sizes=[1, 2, 4, 8], frontend=frontend, cache_dir=None))
+    with pytest.raises(ForwardRefused, match=r"every one a copy of the call's first"):
+        runner(cases.routed([1, -1, 1, -1, 1], 0).cuda())
+
+
+@pytest.mark.parametrize("frontend", cases.FRONTENDS)
+def test_a_runner_called_from_compiled_code_replays(frontend):
+    torch.manual_seed(0)
+    model = cases.WithDropout().eval().cuda()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], frontend=frontend,
+                                                              cache_dir=None))
+    compiled = torch.compile(lambda x: runner(x) * 2, backend="eager")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for tokens in (5, 3, 8, 1):
+            x = torch.randn(tokens, cases.H, device="cuda")
+            torch.testing.assert_close(compiled(x), model(x) * 2)
+    assert runner.stats["replays"] > 0 and runner.stats["eager_calls"] == 0

@@ -1,0 +1,204 @@
+"""Never silently wrong, never a raw crash, for code users bring: an expert capacity computed from the token count
+(GShard's ``ceil(T / E)``) whose first call happens to drop nothing, a submodule switched to train mode after the
+first call, a TorchScript submodule, and a runner called from code the caller compiles."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import piecewise
+from piecewise.errors import ForwardRefused
+
+FRONTENDS = ["dynamo", "breakable", "auto"]
+H, E = 16, 2
+
+
+class CapacityMoE(nn.Module):
+    """Top-1 routing by the sign of the first feature; each expert keeps at most ceil(T / E) tokens, in token order,
+    and drops the rest (the residual passes them through)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        with torch.no_grad():
+            self.gate.weight.zero_()
+            self.gate.weight[0, 0], self.gate.weight[1, 0] = 10.0, -10.0
+        self.w = nn.Parameter(torch.randn(E, H, H) * 0.3)
+
+    def forward(self, x):
+        p, e = self.gate(x).softmax(-1).max(-1)
+        capacity = math.ceil(x.shape[0] / E)
+        onehot = F.one_hot(e, E)
+        position = (onehot.cumsum(0) - 1) * onehot
+        keep = ((position < capacity) & (onehot > 0)).any(-1)
+        y = torch.einsum("th,thk->tk", x, self.w[e]) * p[:, None]
+        return x + y * keep[:, None].to(y.dtype)
+
+
+def routed(signs: list[int], seed: int) -> torch.Tensor:
+    x = torch.randn(len(signs), H, generator=torch.Generator().manual_seed(seed))
+    x[:, 0] = torch.tensor(signs, dtype=torch.float32) * (1.0 + x[:, 0].abs())
+    return x
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_capacity_from_the_token_count_is_refused_though_the_first_call_drops_nothing(frontend):
+    """The first call routes 3 and 2 tokens to the two experts (capacity 3 unpadded, 4 padded to 8): nothing is
+    dropped either way, yet a later call of 4 and 1 would keep padded the token eager drops."""
+    torch.manual_seed(0)
+    runner = piecewise.compile(CapacityMoE().eval(), piecewise.CaptureConfig(
+        capture_sizes=[1, 2, 4, 8], frontend=frontend, compiler="eager", cache_dir=None))
+    with pytest.raises(ForwardRefused, match=r"token count for a value.*every one a copy of the call's first") as info:
+        runner(routed([1, -1, 1, -1, 1], 0))
+    assert info.value.kind == "token_mixing"
+    assert "a capacity computed from the count" in str(info.value)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_fixed_capacity_in_token_order_is_served_exactly(frontend):
+    """A capacity that does not follow the count (Switch Transformers' expert_capacity) drops the same tokens padded:
+    the check on copies of the first row passes, and every call matches eager."""
+
+    class FixedCapacity(CapacityMoE):
+        def forward(self, x):
+            p, e = self.gate(x).softmax(-1).max(-1)
+            onehot = F.one_hot(e, E)
+            keep = ((((onehot.cumsum(0) - 1) * onehot) < 3) & (onehot > 0)).any(-1)
+            return x + torch.einsum("th,thk->tk", x, self.w[e]) * (p * keep.to(p.dtype))[:, None]
+
+    torch.manual_seed(0)
+    model = FixedCapacity().eval()
+    reference = copy.deepcopy(model)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(
+        capture_sizes=[1, 2, 4, 8], frontend=frontend, compiler="eager", cache_dir=None))
+    for seed, signs in enumerate([[1, -1, 1, -1, 1], [1, 1, 1, 1, -1], [1, 1, 1, 1, 1, -1, 1], [-1, -1, -1]]):
+        x = routed(signs, seed)
+        torch.testing.assert_close(runner(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert runner.stats["eager_calls"] == 0
+
+
+class WithDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(H, H), nn.Linear(H, H)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.b(self.drop(self.a(x)))
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_submodule_switched_to_train_mode_runs_eagerly_with_a_warning_naming_it(frontend):
+    """Replays keep the mode of their capture (a dropout left out): a submodule's mode changed since the first call
+    sends the call to the model's own forward, naming the submodule; back in eval mode the graphs serve again."""
+    torch.manual_seed(0)
+    model = WithDropout().eval()
+    reference = copy.deepcopy(model)
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], frontend=frontend,
+                                                              cache_dir=None))
+    x = torch.randn(5, H)
+    runner(x)
+    model.drop.train()
+    reference.drop.train()
+    with pytest.warns(UserWarning, match=r"submodule `drop` is in train mode now and was in eval mode"):
+        torch.manual_seed(1)
+        got = runner(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(got, reference(x))
+    assert runner.stats["eager_calls"] == 1
+    model.drop.eval()
+    reference.drop.eval()
+    torch.testing.assert_close(runner(x[:3]), reference(x[:3]))
+    assert runner.stats["eager_calls"] == 1
+
+
+class Scripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.jit.script(nn.Sequential(nn.Linear(H, H), nn.ReLU()))
+        self.out = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.out(self.mlp(x))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_torchscript_submodule_is_served(frontend):
+    """A ``torch.jit.script`` submodule: its class has no plain ``forward`` to watch (this was a raw AttributeError)."""
+    torch.manual_seed(0)
+    model = Scripted().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], frontend=frontend,
+                                                              cache_dir=None))
+    with torch.no_grad():
+        for tokens in (5, 3, 8):
+            x = torch.randn(tokens, H)
+            torch.testing.assert_close(runner(x), model(x))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("first", ["inside", "outside"])
+def test_a_runner_called_from_compiled_code_runs_as_it_does_outside(frontend, first):
+    """``torch.compile(lambda x: runner(x) * 2)``: the runner's call is a graph break, its first call included
+    (this was Dynamo's raw "forbidden callable" for ``mark_dynamic``)."""
+    torch.manual_seed(0)
+    model = WithDropout().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], frontend=frontend,
+                                                              cache_dir=None))
+    if first == "outside":
+        runner(torch.randn(5, H))
+    compiled = torch.compile(lambda x: runner(x) * 2, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Dynamo's note about the graph break
+        for tokens in (5, 3, 8, 1):
+            x = torch.randn(tokens, H)
+            torch.testing.assert_close(compiled(x), model(x) * 2)
+    assert runner.stats["eager_calls"] == 0
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_runner_cannot_be_copied_and_says_what_to_copy(how):
+    import pickle
+
+    runner = piecewise.compile(WithDropout().eval(), piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8],
+                                                                             cache_dir=None))
+    runner(torch.randn(3, H))
+    with pytest.raises(TypeError, match=r"cannot be copied or pickled: copy or pickle the model"):
+        copy.deepcopy(runner) if how == "deepcopy" else pickle.dumps(runner)
+
+
+class IndexedHead(nn.Module):
+    """vLLM's compute_logits at `logits_indices` (the last token of each sequence), taken inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, H), nn.Linear(H, 64)
+
+    def forward(self, input_ids, positions, logits_indices):
+        return self.head((self.emb(input_ids) + positions[:, None])[logits_indices])
+
+
+REFERENCE_INPUTS = {}
+"""A caller's reference copy of its inputs, in a global of the model's file: not what the forward reads."""
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_an_index_argument_into_the_rows_is_named_not_a_copy_in_a_global(frontend):
+    torch.manual_seed(0)
+    ids, positions = torch.randint(0, 64, (8,)), torch.arange(8)
+    REFERENCE_INPUTS.update(input_ids=ids.clone(), positions=positions.clone())
+    runner = piecewise.compile(IndexedHead().eval(), piecewise.CaptureConfig(frontend=frontend, max_tokens=16,
+                                                                             cache_dir=None))
+    try:
+        with pytest.raises(ForwardRefused, match=r"`logits_indices` index the call's rows \(up to 7\).*Index the "
+                                                 r"output after the runner returns") as info:
+            runner(ids, positions, torch.tensor([4, 7, 7, 7]))
+        assert "REFERENCE_INPUTS" not in str(info.value)
+    finally:
+        REFERENCE_INPUTS.clear()
