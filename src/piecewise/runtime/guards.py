@@ -19,6 +19,7 @@ per distinct difference naming it. Parameters replaced or moved are ``ParameterW
 from __future__ import annotations
 
 import enum
+import inspect
 import re
 import warnings
 from typing import Any
@@ -35,14 +36,15 @@ _READS_TRAINING: dict[type, bool] = {}
 
 
 def _reads_training(cls: type) -> bool:
-    """Whether a module class's own code (any function of its classes below ``nn.Module``) reads ``training``."""
+    """Whether a module class's own code (any function of its classes below ``nn.Module``, decorated ones unwrapped,
+    ``train`` and ``eval`` left out) reads ``training``."""
     found = _READS_TRAINING.get(cls)
     if found is None:
-        found = _READS_TRAINING[cls] = any(
-            "training" in getattr(getattr(value, "__func__", value), "__code__", None).co_names
-            for klass in cls.__mro__ if klass not in (torch.nn.Module, object)
-            for value in vars(klass).values()
-            if hasattr(getattr(value, "__func__", value), "__code__"))
+        functions = [inspect.unwrap(getattr(value, "__func__", value)) for klass in cls.__mro__
+                     if klass not in (torch.nn.Module, object)
+                     for key, value in vars(klass).items() if key not in ("train", "eval")]  # (they set it)
+        found = _READS_TRAINING[cls] = any("training" in f.__code__.co_names for f in functions
+                                           if hasattr(f, "__code__"))
     return found
 
 
@@ -62,6 +64,8 @@ class CallGuard:
         self.global_state: Any = None
         self.training: bool | None = None
         self.modes: list[tuple[str, torch.nn.Module, bool]] = []
+        self.mode_modules: list[torch.nn.Module] = []
+        self.mode_flags: list[bool] = []
         """Submodules whose code reads ``self.training`` (dropout, batch norm), with their mode at the first call."""
         self.hooks: HookState | None = None
         self.expected: dict[str, tuple] = {}
@@ -74,6 +78,7 @@ class CallGuard:
         self.training = self.model.training
         self.modes = [(name, module, module.training) for name, module in self.model.named_modules()
                       if name and _reads_training(type(module))]
+        self.mode_modules, self.mode_flags = [m for _, m, _ in self.modes], [t for _, _, t in self.modes]
         self.hooks = HookState(self.model)
         self.expected = {name: _kind(value, name in token_names, deep) for name, value in arguments.items()
                          if value is not None}
@@ -96,10 +101,10 @@ class CallGuard:
         if self.model.training is not self.training:
             return f"the model is in {'train' if self.model.training else 'eval'} mode now and was in " \
                    f"{'train' if self.training else 'eval'} mode at the first call"
-        for name, module, training in self.modes:  # `model.layers[0].train()`: replays would keep the capture's
-            if module.training is not training:
-                return f"submodule `{name}` is in {'train' if module.training else 'eval'} mode now and was in " \
-                       f"{'train' if training else 'eval'} mode at the first call"
+        if [module.training for module in self.mode_modules] != self.mode_flags:  # `model.layers[0].train()`:
+            name, module, training = next(m for m in self.modes if m[1].training is not m[2])  # replays keep the
+            return f"submodule `{name}` is in {'train' if module.training else 'eval'} mode now and was in " \
+                   f"{'train' if training else 'eval'} mode at the first call"  # capture's (a dropout left out)
         expected = self.expected
         given = 0
         for name, value in arguments.items():

@@ -76,8 +76,7 @@ class ParameterWatch:
                 (f"`{name}` had {len(children)} layers at the first call and has {len(module._modules)} now"
                  if len(module._modules) != len(children) else f"the layers of `{name}` were replaced or reordered"
                  for name, module, layers, children in self.containers
-                 if module._modules is not layers or len(layers) != len(children)
-                 or any(a is not b for a, b in zip(layers.values(), children))), None)
+                 if module._modules is not layers or list(layers.values()) != children), None)  # (modules: by identity)
         if self.replaced is not None:
             raise ValueError(
                 f"piecewise: {self.replaced} after the first call. The trace and the captured graphs keep the "
