@@ -202,3 +202,16 @@ def test_an_index_argument_into_the_rows_is_named_not_a_copy_in_a_global(fronten
         assert "REFERENCE_INPUTS" not in str(info.value)
     finally:
         REFERENCE_INPUTS.clear()
+
+
+def test_a_call_while_another_thread_compiles_runs_as_usual(monkeypatch):
+    """torch's compiling flag is the process's: set through another thread's compile (or an export), a call that
+    Dynamo does not trace still runs the runner once (this recursed without end)."""
+    torch.manual_seed(0)
+    model = WithDropout().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], cache_dir=None))
+    x = torch.randn(5, H)
+    torch.testing.assert_close(runner(x), model(x))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(runner(x[:3]), model(x[:3]))
+    assert runner.stats["eager_calls"] == 0

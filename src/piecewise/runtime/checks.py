@@ -206,15 +206,17 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)):
         return  # (a trace's error where the model's own forward takes the rows is the trace's: propagated below)
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
-    given = [t for value in arguments.values() for _, t in walk_tensors(value) if t is not None]
-    # A global that is the call's own argument (a notebook's `ids`), or a copy of one, is not the cause.
+    given = {t.untyped_storage().data_ptr() for value in arguments.values() for _, t in walk_tensors(value)
+             if t is not None}  # a global that is the call's own argument (a notebook's `ids`) is not the cause
     nested = nested_rows(arguments, tokens) + [
-        name for name, t in global_tensors(core.model) if t.dim() > 0 and t.shape[0] == tokens and not any(
-            t.untyped_storage().data_ptr() == g.untyped_storage().data_ptr() or _equal(t, g) for g in given)]
-    indexing = [name for name, value in arguments.items() if name not in core.arguments.dynamic
-                and isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() > 0
-                and not value.is_floating_point() and value.dtype != torch.bool and rows <= int(value.max()) < tokens]
-    if indexing and "out of bounds" in str(error):  # vLLM's logits_indices, taken inside forward
+        name for name, t in global_tensors(core.model)
+        if t.dim() > 0 and t.shape[0] == tokens and t.untyped_storage().data_ptr() not in given]
+    # An index into the rows (vLLM's logits_indices, taken inside forward). On CUDA such an index is a device-side
+    # assert instead, which ends the process's CUDA context: only a CPU run gets here with it.
+    indexing = [name for name, value in arguments.items() if "out of bounds" in str(error)
+                and name not in core.arguments.dynamic and isinstance(value, torch.Tensor) and value.dim() == 1
+                and value.numel() > 0 and value.dtype in _INDICES and rows <= int(value.max()) < tokens]
+    if indexing:
         refusal = (f"{first_line(error)}. Argument(s) {', '.join(f'`{n}`' for n in indexing)} index the call's rows "
                    f"(up to {max(int(arguments[n].max()) for n in indexing)}) but do not have one row per token. Index "
                    f"the output after the runner returns (as vLLM computes the logits at its logits_indices after "
@@ -252,8 +254,7 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     ) from error
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+_INDICES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def check_one_token(core: Core, arguments: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from ..stored import values
 from .checks import RandomState, _compared, _difference, _padded_run, _same
 from .core import Core
 from .full_graphs import restore, snapshot
+from .model_state import state_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +59,18 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
             stacklevel=caller_stacklevel())
         return
     _compare(saved, rows, reference, size, (want, want_state), lambda at: run(at, arguments), first, "")
-    if rows < 2:
+    if rows < 2 or (saved is None and state_tensors(core, arguments)):  # made-up rows' writes could not be undone
         return
     # The call's rows all made copies of its first: the load a router puts on one expert is then the most it can
     # be, so a capacity computed from the count (GShard's ceil(T / E)) drops rows unpadded that padding keeps, even
     # where the call's own rows spread evenly. Rows the forward or piecewise refuses leave this part out.
     same = {**arguments, **{n: arguments[n][:1].expand(arguments[n].shape).clone() for n in given}}
     try:
-        _compare(saved, rows, reference, size, run(reference, same), lambda at: run(at, same), first,
-                 _COPIES)
+        want = run(reference, same)
+        if not first.same(RandomState()):
+            raise RuntimeError("the forward draws random numbers on those rows")
+        first.restore()
+        _compare(saved, rows, reference, size, want, lambda at: run(at, same), first, _COPIES)
     except ForwardRefused as exc:
         if exc.kind is not BlockerKind.TOKEN_MIXING or _COPIES not in str(exc):
             logger.info("piecewise: the check of the token count on copies of the first row is left out (%s)",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import inspect
 import re
+import types
 import warnings
 from typing import Any
 
@@ -36,16 +37,38 @@ _READS_TRAINING: dict[type, bool] = {}
 
 
 def _reads_training(cls: type) -> bool:
-    """Whether a module class's own code (any function of its classes below ``nn.Module``, decorated ones unwrapped,
-    ``train`` and ``eval`` left out) reads ``training``."""
+    """Whether a module class's own code (its classes below ``nn.Module``: methods, properties, decorated functions
+    unwrapped, nested functions and comprehensions; ``train`` and ``eval`` left out) reads ``training``."""
     found = _READS_TRAINING.get(cls)
     if found is None:
-        functions = [inspect.unwrap(getattr(value, "__func__", value)) for klass in cls.__mro__
-                     if klass not in (torch.nn.Module, object)
-                     for key, value in vars(klass).items() if key not in ("train", "eval")]  # (they set it)
-        found = _READS_TRAINING[cls] = any("training" in f.__code__.co_names for f in functions
-                                           if hasattr(f, "__code__"))
+        codes = [code for klass in cls.__mro__ if klass not in (torch.nn.Module, object)
+                 for key, value in list(vars(klass).items()) if key not in ("train", "eval")  # (they set it)
+                 for code in _codes(value)]
+        found = _READS_TRAINING[cls] = any(_names_training(code) for code in codes)
     return found
+
+
+def _codes(value: Any) -> list[Any]:
+    """The code objects behind a class attribute (a function, a property's accessors, a static or class method, a
+    ``functools`` wrapper), none for anything else."""
+    try:
+        if isinstance(value, property):
+            return [code for part in (value.fget, value.fset) if part is not None for code in _codes(part)]
+        inner = getattr(value, "__func__", None) or getattr(value, "func", None) if not isinstance(
+            value, types.FunctionType) else value
+        if inner is not None and inner is not value:
+            return _codes(inner)
+        function = inspect.unwrap(value)
+        return [function.__code__] if isinstance(function, types.FunctionType) else []
+    except Exception:  # noqa: BLE001 - an object whose attributes misbehave (a proxy, a lazy module) holds no code
+        return []
+
+
+def _names_training(code: Any) -> bool:
+    """Whether ``code`` or a code object nested in it reads ``training`` (``self.training``, ``getattr(self,
+    "training")``)."""
+    return "training" in code.co_names or "training" in code.co_consts or any(
+        _names_training(inner) for inner in code.co_consts if isinstance(inner, types.CodeType))
 
 
 def _plain(value: Any) -> bool:

@@ -281,6 +281,8 @@ def _with_hints(exc: ForwardRefused, arguments: dict[str, Any], binder: Any) -> 
 @torch._dynamo.disable
 def _outside_compile(runner: PiecewiseModel, args: tuple, kwargs: dict) -> Any:
     """A runner called from code the caller compiles runs as it does outside: its own trace and graphs cannot be
-    part of another trace."""
-    return runner(*args, **kwargs)
+    part of another trace. (Not through ``runner(...)``: torch's compiling flag is the process's, set for the whole
+    of another thread's compile or an export, and would send the call here again.)"""
+    with runner_call():
+        return runner._call(args, kwargs)
 
