@@ -69,3 +69,19 @@ def test_a_runner_called_from_compiled_code_replays(frontend):
             x = torch.randn(tokens, cases.H, device="cuda")
             torch.testing.assert_close(compiled(x), model(x) * 2)
     assert runner.stats["replays"] > 0 and runner.stats["eager_calls"] == 0
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable", "auto"])
+def test_an_index_argument_into_the_rows_is_refused_before_it_ends_the_cuda_context(frontend):
+    """`head(h[logits_indices])` inside forward: the first call's runs on fewer rows would index past them, a
+    device-side assert that ended the process's CUDA context. The model's own forward on the fewest rows runs with
+    its indices checked first."""
+    torch.manual_seed(0)
+    model = cases.IndexedHead().eval().cuda()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(frontend=frontend, max_tokens=16, cache_dir=None))
+    ids, positions = torch.randint(0, 64, (8,), device="cuda"), torch.arange(8, device="cuda")
+    with pytest.raises(ForwardRefused, match=r"`logits_indices` index the call's rows \(up to 7\).*Index the output "
+                                             r"after the runner returns"):
+        runner(ids, positions, torch.tensor([4, 7, 7, 7], device="cuda"))
+    torch.cuda.synchronize()  # the context lives on
+    assert torch.ones(4, device="cuda").sum().item() == 4

@@ -30,7 +30,7 @@ def drop_sizes_out_of_range(core: Core, arguments: dict[str, Any]) -> None:
         size = core.ladder.sizes[-1]
         rows = min(tokens, size)
         staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
-        core.state.bounds = BoundsCheck(lambda: chain_text(user_chain()[-1:]) or "an unknown line")
+        core.state.bounds = BoundsCheck(_line)
         try:
             core.run_call(Call(Phase.PADDED, size, rows, checked=True), staged, rehearsal=True)
         except IndexOutOfRange as exc:
@@ -60,6 +60,35 @@ def drop_sizes_out_of_range(core: Core, arguments: dict[str, Any]) -> None:
         f"range(size)?). Sizes above {top} are not captured, and calls of more than {top} tokens run without graphs "
         f"(the model's own limit applies to them). CaptureConfig(max_tokens={top}) says so and silences this.",
         stacklevel=6)
+
+
+def refuse_indices_past_rows(core: Core, arguments: dict[str, Any]) -> None:
+    """The first call runs the forward on fewer rows than the call's (its checks; breakable's survey). A forward that
+    indexes the rows with another argument of the call's (vLLM's logits_indices, `h[logits_indices]` inside
+    forward) would index past them there: on CUDA a device-side assert, which ends the process's CUDA context. So,
+    on CUDA, the model's own forward runs first on the fewest rows those runs take, under ``BoundsCheck``; an index
+    past them refuses the forward (``checks.refuse_if_rows_refused``, naming the op, its line and the argument)."""
+    from .checks import refuse_if_rows_refused  # (checks imports this module's neighbours)
+
+    given = core.arguments.given_tokens(arguments)
+    tokens = arguments[given[0]].shape[0]
+    sizes = [size for size in core.ladder.sizes if size >= 2]
+    if tokens < 2 or not sizes or not arguments[given[0]].is_cuda:
+        return
+    rows = min(tokens - 1, sizes[0] - 1)
+    made = core.arguments.leading(arguments, rows)
+    try:
+        with torch.no_grad(), forward_context(rows, rows, rehearsal=True), BoundsCheck(_line):
+            core.model(**made)
+    except IndexOutOfRange as exc:
+        refuse_if_rows_refused(core, made, rows, rows, arguments, exc)
+        raise
+    except Exception:  # noqa: BLE001 - anything else the first call's own runs name
+        return
+
+
+def _line() -> str:
+    return chain_text(user_chain()[-1:]) or "an unknown line"
 
 
 def _padded_runs(core: Core, arguments: dict[str, Any], size: int) -> bool:

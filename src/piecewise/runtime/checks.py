@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import traceback
 import warnings
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..capture.bounds import BoundsCheck, IndexOutOfRange
 from ..capture.outputs import output_tensors, unmapped_leaves, walk_tensors
 from ..capture.state import Call, Phase
 from ..context import forward_context
@@ -213,7 +215,8 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         if t.dim() > 0 and t.shape[0] == tokens and t.untyped_storage().data_ptr() not in given]
     # An index into the rows (vLLM's logits_indices, taken inside forward). On CUDA such an index is a device-side
     # assert instead, which ends the process's CUDA context: only a CPU run gets here with it.
-    indexing = [name for name, value in arguments.items() if "out of bounds" in str(error)
+    indexing = [name for name, value in arguments.items()
+                if ("out of bounds" in str(error) or isinstance(error, IndexOutOfRange))
                 and name not in core.arguments.dynamic and isinstance(value, torch.Tensor) and value.dim() == 1
                 and value.numel() > 0 and value.dtype in _INDICES and rows <= int(value.max()) < tokens]
     if indexing:
@@ -233,8 +236,9 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         refusal = None
         for rows in counts:
             made = core.arguments.leading(arguments, rows) if rows != counts[0] else made
-            try:
-                with torch.no_grad(), forward_context(rows, rows, rehearsal=True):
+            try:  # (on CUDA with the index bounds checked: an index past the rows would end the CUDA context)
+                with torch.no_grad(), forward_context(rows, rows, rehearsal=True), \
+                        BoundsCheck(lambda: "") if _on_cuda(made) else contextlib.nullcontext():
                     core.model(**made)
             except Exception as own:  # noqa: BLE001 - the model's own verdict on those rows
                 refusal = first_line(own)
@@ -255,6 +259,10 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
 
 
 _INDICES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _on_cuda(arguments: dict[str, Any]) -> bool:
+    return any(isinstance(value, torch.Tensor) and value.is_cuda for value in arguments.values())
 
 
 def check_one_token(core: Core, arguments: dict[str, Any]) -> None:

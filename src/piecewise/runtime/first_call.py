@@ -23,7 +23,7 @@ from ..errors import BlockerKind, CaptureFailed, CaptureOutOfMemory, ForwardRefu
 from ..frontends import make_frontend
 from ..frontends.dynamo_trace import DynamoBlocked
 from ..opaque import check_fakes, opaque_call_counts, resolve_splitting_ops
-from .bounds import drop_sizes_out_of_range
+from .bounds import drop_sizes_out_of_range, refuse_indices_past_rows
 from .capture_sizes import capture_all, out_of_memory
 from .checks import ModuleState, check_one_token, check_padding, refuse_if_rows_refused, warn_changed_state
 from .random_state import OWN_GENERATORS, RandomState, own_generators, refuse_cuda_generators
@@ -163,6 +163,7 @@ def _prepare(core: Core, arguments: dict[str, Any], module_state: ModuleState, w
         refuse_cuda_generators(core.model, arguments)
     device = arguments[given[0]].device
     core.full.resolve(called, resolve_splitting_ops(core.config.splitting_ops), device)
+    refuse_indices_past_rows(core, arguments)  # before any run on fewer rows than the call's
     candidates = _candidates(core)
     clock.lap("warm-up")
     store, key, described, recorded = _open_cache(core)
