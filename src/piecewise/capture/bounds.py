@@ -16,6 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..graph.tokens import node_place
 
 
+INDEX_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+"""Tensor dtypes that index (the checks read their largest value on the host)."""
+
+
 class IndexOutOfRange(Exception):
     """An op of a padded run would index past its tensor."""
 

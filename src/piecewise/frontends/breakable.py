@@ -100,7 +100,7 @@ class BreakableFrontend:
             operator = re.search(r"HigherOrderOperator (\w+)", str(exc))
             if operator is None:
                 raise
-            _forget_frames(exc.__traceback__)  # what Dynamo marked while they ran under the interceptor's mode
+            forget_frames(exc.__traceback__)  # what Dynamo marked while they ran under the interceptor's mode
             how = ("a `cond` imported by name, `from torch import cond`: call it as `torch.cond(...)`, which breakable "
                    "runs as the Python branch it stands for" if operator[1] == "cond" else
                    "it has no rule for breakable's dispatch mode: make the call a splitting op "
@@ -255,7 +255,7 @@ class BreakableFrontend:
         return "", []
 
 
-def _forget_frames(traceback: Any) -> None:
+def forget_frames(traceback: Any) -> None:
     """Drop Dynamo's state for the code of every frame in ``traceback``: a higher-order op's wrapper that
     ``torch.compile`` ran under breakable's dispatch mode (``flex_attention`` in eager) was left marked, and the
     user's own eager calls of it failed from then on."""

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ..capture.bounds import BoundsCheck, IndexOutOfRange
+from ..capture.bounds import INDEX_DTYPES, BoundsCheck, IndexOutOfRange
+from ..capture.outputs import walk_tensors
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import REFUSALS, ForwardRefused, first_line
@@ -68,7 +69,8 @@ def refuse_indices_past_rows(core: Core, arguments: dict[str, Any]) -> None:
     forward) would index past them there: on CUDA a device-side assert, which ends the process's CUDA context. So,
     on CUDA, the model's own forward runs first on the fewest rows those runs take, under ``BoundsCheck``; an index
     past them refuses the forward (``checks.refuse_if_rows_refused``, naming the op, its line and the argument)."""
-    from .checks import refuse_if_rows_refused  # (checks imports this module's neighbours)
+    from ..frontends.breakable import forget_frames  # (the front-ends import the runtime's parts)
+    from .checks import refuse_if_rows_refused
 
     given = core.arguments.given_tokens(arguments)
     tokens = arguments[given[0]].shape[0]
@@ -76,6 +78,10 @@ def refuse_indices_past_rows(core: Core, arguments: dict[str, Any]) -> None:
     if tokens < 2 or not sizes or not arguments[given[0]].is_cuda:
         return
     rows = min(tokens - 1, sizes[0] - 1)
+    if not any(value.dim() == 1 and value.numel() and value.dtype in INDEX_DTYPES and rows <= int(value.max()) < tokens
+               for name, argument in arguments.items() if name not in core.arguments.dynamic
+               for _, value in walk_tensors(argument) if value is not None):
+        return  # no argument that could index the rows: nothing to run (a run under a dispatch mode is not free)
     made = core.arguments.leading(arguments, rows)
     try:
         with torch.no_grad(), forward_context(rows, rows, rehearsal=True), BoundsCheck(_line):
@@ -83,8 +89,8 @@ def refuse_indices_past_rows(core: Core, arguments: dict[str, Any]) -> None:
     except IndexOutOfRange as exc:
         refuse_if_rows_refused(core, made, rows, rows, arguments, exc)
         raise
-    except Exception:  # noqa: BLE001 - anything else the first call's own runs name
-        return
+    except Exception as exc:  # noqa: BLE001 - anything else the first call's own runs name
+        forget_frames(exc.__traceback__)  # what Dynamo marked while code it compiles (torch.cond) ran under the mode
 
 
 def _line() -> str:

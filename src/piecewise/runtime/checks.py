@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..capture.bounds import BoundsCheck, IndexOutOfRange
+from ..capture.bounds import INDEX_DTYPES, BoundsCheck, IndexOutOfRange
 from ..capture.outputs import output_tensors, unmapped_leaves, walk_tensors
 from ..capture.state import Call, Phase
 from ..context import forward_context
@@ -218,7 +218,7 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
     indexing = [name for name, value in arguments.items()
                 if ("out of bounds" in str(error) or isinstance(error, IndexOutOfRange))
                 and name not in core.arguments.dynamic and isinstance(value, torch.Tensor) and value.dim() == 1
-                and value.numel() > 0 and value.dtype in _INDICES and rows <= int(value.max()) < tokens]
+                and value.numel() > 0 and value.dtype in INDEX_DTYPES and rows <= int(value.max()) < tokens]
     if indexing:
         refusal = (f"{first_line(error)}. Argument(s) {', '.join(f'`{n}`' for n in indexing)} index the call's rows "
                    f"(up to {max(int(arguments[n].max()) for n in indexing)}) but do not have one row per token. Index "
@@ -256,9 +256,6 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         f"real rows." + other_token_dims(core.arguments, arguments, tokens),
         "token_layout",
     ) from error
-
-
-_INDICES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def _on_cuda(arguments: dict[str, Any]) -> bool:
