@@ -215,3 +215,33 @@ def test_a_call_while_another_thread_compiles_runs_as_usual(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(runner(x[:3]), model(x[:3]))
     assert runner.stats["eager_calls"] == 0
+
+
+class GrowingCache(nn.Module):
+    """A cache grown with torch.cat in a module attribute inside forward (transformers' DynamicCache, kept on the
+    module), and attention over it in plain code."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+        self.k = self.v = None
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(H, -1)
+        self.k = k if self.k is None else torch.cat([self.k, k])
+        self.v = v if self.v is None else torch.cat([self.v, v])
+        mask = torch.ones(x.shape[0], self.k.shape[0], dtype=torch.bool).tril(self.k.shape[0] - x.shape[0])
+        return F.scaled_dot_product_attention(q[None], self.k[None], self.v[None], attn_mask=mask)[0]
+
+
+def test_a_refusal_names_the_attributes_the_first_calls_runs_set():
+    """Breakable runs the forward's Python at each of the first call's runs: the cache grows at each, and the
+    refusal says so besides the difference it found, and puts the attributes back."""
+    torch.manual_seed(0)
+    model = GrowingCache().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], frontend="breakable",
+                                                              cache_dir=None))
+    with pytest.raises(ForwardRefused, match=r"also set the model's Python attributes `self\.k`, `self\.v` each "
+                                             r"time.*a cache grown with torch\.cat"):
+        runner(torch.randn(5, H))
+    assert model.k is None and model.v is None

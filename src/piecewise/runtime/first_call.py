@@ -97,11 +97,17 @@ def prepare(core: Core, arguments: dict[str, Any]) -> None:
         if added:
             logger.info("piecewise: put back %s, which every run of the forward writes", ", ".join(added))
     except ForwardRefused as exc:
+        grown = before.changed()  # attributes the runs after the warm-up set (a cache grown with torch.cat)
         before.restore()
         written.put_back(everything=True)
         note = core.arguments.lead_note()  # a refusal of the count's use may come from the wrong dimension taken
         if exc.kind in (BlockerKind.TOKEN_BRANCH, BlockerKind.TOKEN_LAYOUT) and note:
             exc.args = (str(exc) + note, *exc.args[1:])
+        if grown:
+            exc.args = (f"{exc} The first call's runs also set the model's Python attributes {', '.join(grown[:4])} "
+                        f"each time: the first call runs the forward several times, and replays run no Python, so "
+                        f"state kept that way (a cache grown with torch.cat) differs from one eager call's; keep it "
+                        f"in a preallocated tensor written in place, or pass it as an argument.", *exc.args[1:])
         raise
     except BaseException:
         before.restore()
