@@ -94,16 +94,15 @@ class WithDropout(nn.Module):
         return self.b(self.drop(self.a(x)))
 
 
-@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
-def test_a_submodule_switched_to_train_mode_runs_eagerly_with_a_warning_naming_it(frontend):
-    """Replays keep the mode of their capture (a dropout left out): a submodule's mode changed since the first call
-    sends the call to the model's own forward, naming the submodule; back in eval mode the graphs serve again."""
+def dropout_switched_and_back(frontend: str, device: str):
+    """The first call in eval mode; the dropout alone switched to train mode (the call runs the model's own forward,
+    naming it), then back. The runner, and its replays before the call back in eval mode."""
     torch.manual_seed(0)
-    model = WithDropout().eval()
+    model = WithDropout().eval().to(device)
     reference = copy.deepcopy(model)
     runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], frontend=frontend,
                                                               cache_dir=None))
-    x = torch.randn(5, H)
+    x = torch.randn(5, H, device=device)
     runner(x)
     model.drop.train()
     reference.drop.train()
@@ -111,12 +110,23 @@ def test_a_submodule_switched_to_train_mode_runs_eagerly_with_a_warning_naming_i
         torch.manual_seed(1)
         got = runner(x)
     torch.manual_seed(1)
-    torch.testing.assert_close(got, reference(x))
+    want = reference(x)
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(want, model.b(model.a(x)))  # the dropout acted: a replay in eval mode would differ
     assert runner.stats["eager_calls"] == 1
     model.drop.eval()
     reference.drop.eval()
+    replays = runner.stats["replays"]
     torch.testing.assert_close(runner(x[:3]), reference(x[:3]))
     assert runner.stats["eager_calls"] == 1
+    return runner, replays
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_a_submodule_switched_to_train_mode_runs_eagerly_with_a_warning_naming_it(frontend):
+    """Replays keep the mode of their capture (a dropout left out): a submodule's mode changed since the first call
+    sends the call to the model's own forward, naming the submodule; back in eval mode the runner serves again."""
+    dropout_switched_and_back(frontend, "cpu")
 
 
 class Scripted(nn.Module):

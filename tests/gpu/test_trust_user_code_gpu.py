@@ -4,7 +4,6 @@ from the token count is refused, and a runner called from compiled code replays 
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import warnings
@@ -23,28 +22,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
 def test_a_submodule_in_train_mode_is_not_replayed_in_eval_mode(frontend):
-    torch.manual_seed(0)
-    model = cases.WithDropout().eval().cuda()
-    reference = copy.deepcopy(model)
-    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], frontend=frontend,
-                                                              cache_dir=None))
-    x = torch.randn(5, cases.H, device="cuda")
-    runner(x)
-    assert runner.stats["graphs"] > 0
-    model.drop.train()
-    reference.drop.train()
-    with pytest.warns(UserWarning, match=r"submodule `drop` is in train mode now"):
-        torch.manual_seed(1)
-        got = runner(x)
-    torch.manual_seed(1)
-    want = reference(x)
-    torch.testing.assert_close(got, want)
-    assert not torch.allclose(want, model.b(model.a(x)))  # the dropout acted: a replay in eval mode would differ
-    model.drop.eval()
-    reference.drop.eval()
-    replays = runner.stats["replays"]
-    torch.testing.assert_close(runner(x[:3]), reference(x[:3]))
-    assert runner.stats["replays"] > replays
+    runner, replays = cases.dropout_switched_and_back(frontend, "cuda")
+    assert runner.stats["graphs"] > 0 and runner.stats["replays"] > replays  # back in eval mode: replayed
 
 
 @pytest.mark.parametrize("frontend", cases.FRONTENDS)

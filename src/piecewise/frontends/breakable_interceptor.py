@@ -35,7 +35,7 @@ from .breakable_outside import OutsideTensors, refuse_python_values
 from .breakable_regions import inside_region, watching_regions
 from .breakable_steps import Recording, Step, storage, written_indices, written_tensors
 from .breakable_survey import Observed, OpLog, offsets, shapes
-from .user_frames import chain_text, user_chain
+from .user_frames import current_line as _line, user_chain
 
 
 _CONSTRUCTED = (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy, torch.ops.aten.lift)
@@ -351,9 +351,6 @@ def _body(call, spec):
 
     return body
 
-
-def _line() -> str:
-    return chain_text(user_chain()[-1:]) or "an unknown line"
 
 
 def _accumulates(func, args: tuple, kwargs: dict) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from ..capture.splitcall import Roles
 from ..errors import ForwardRefused
-from .user_frames import chain_text, innermost_user_line, line_text, user_chain
+from .user_frames import innermost_user_line, line_text
 
 
 @dataclass
@@ -254,6 +254,3 @@ def _uploads(func: Any, args: tuple) -> bool:
 def _op(func: Any) -> str:
     return f"`{func.overloadpacket.__name__}`"
 
-
-def _line() -> str:
-    return chain_text(user_chain()[-1:]) or "an unknown line"

@@ -47,6 +47,11 @@ is_user_file = _user_file
 """Whether a file is the model's (not torch's, the standard library's or piecewise's machinery)."""
 
 
+def current_line() -> str:
+    """``file:line (`code`)`` of the innermost model frame running now, or "an unknown line" (for messages)."""
+    return chain_text(user_chain()[-1:]) or "an unknown line"
+
+
 def innermost_user_line() -> tuple[str, int] | None:
     """(file, line) of the innermost model frame running now: ``user_chain()[-1]`` for every op of a run, cheaply."""
     frame = innermost_user_frame()

@@ -11,12 +11,11 @@ from typing import Any
 
 import torch
 
-from ..capture.bounds import INDEX_DTYPES, BoundsCheck, IndexOutOfRange
-from ..capture.outputs import walk_tensors
+from ..capture.bounds import BoundsCheck, IndexOutOfRange
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import REFUSALS, ForwardRefused, first_line
-from ..frontends.user_frames import caller_stacklevel, chain_text, is_user_file, user_chain
+from ..frontends.user_frames import caller_stacklevel, chain_text, current_line, is_user_file
 from .arguments import other_token_dims
 from .core import Core
 
@@ -31,7 +30,7 @@ def drop_sizes_out_of_range(core: Core, arguments: dict[str, Any]) -> None:
         size = core.ladder.sizes[-1]
         rows = min(tokens, size)
         staged = core.stager.stage(core.arguments.leading(arguments, rows), given, rows, size)
-        core.state.bounds = BoundsCheck(_line)
+        core.state.bounds = BoundsCheck(current_line)
         try:
             core.run_call(Call(Phase.PADDED, size, rows, checked=True), staged, rehearsal=True)
         except IndexOutOfRange as exc:
@@ -70,7 +69,7 @@ def refuse_indices_past_rows(core: Core, arguments: dict[str, Any]) -> None:
     on CUDA, the model's own forward runs first on the fewest rows those runs take, under ``BoundsCheck``; an index
     past them refuses the forward (``checks.refuse_if_rows_refused``, naming the op, its line and the argument)."""
     from ..frontends.breakable import forget_frames  # (the front-ends import the runtime's parts)
-    from .checks import refuse_if_rows_refused
+    from .checks import index_arguments, refuse_if_rows_refused
 
     given = core.arguments.given_tokens(arguments)
     tokens = arguments[given[0]].shape[0]
@@ -78,23 +77,17 @@ def refuse_indices_past_rows(core: Core, arguments: dict[str, Any]) -> None:
     if tokens < 2 or not sizes or not arguments[given[0]].is_cuda:
         return
     rows = min(tokens - 1, sizes[0] - 1)
-    if not any(value.dim() == 1 and value.numel() and value.dtype in INDEX_DTYPES and rows <= int(value.max()) < tokens
-               for name, argument in arguments.items() if name not in core.arguments.dynamic
-               for _, value in walk_tensors(argument) if value is not None):
+    if not index_arguments(core, arguments, rows, tokens):
         return  # no argument that could index the rows: nothing to run (a run under a dispatch mode is not free)
     made = core.arguments.leading(arguments, rows)
     try:
-        with torch.no_grad(), forward_context(rows, rows, rehearsal=True), BoundsCheck(_line):
+        with torch.no_grad(), forward_context(rows, rows, rehearsal=True), BoundsCheck(current_line):
             core.model(**made)
     except IndexOutOfRange as exc:
         refuse_if_rows_refused(core, made, rows, rows, arguments, exc)
         raise
     except Exception as exc:  # noqa: BLE001 - anything else the first call's own runs name
         forget_frames(exc.__traceback__)  # what Dynamo marked while code it compiles (torch.cond) ran under the mode
-
-
-def _line() -> str:
-    return chain_text(user_chain()[-1:]) or "an unknown line"
 
 
 def _padded_runs(core: Core, arguments: dict[str, Any], size: int) -> bool:

@@ -24,7 +24,7 @@ from ..capture.outputs import output_tensors, unmapped_leaves, walk_tensors
 from ..capture.state import Call, Phase
 from ..context import forward_context
 from ..errors import ForwardRefused, first_line
-from ..frontends.user_frames import chain_text, is_user_file
+from ..frontends.user_frames import chain_text, current_line, is_user_file
 from ..stored import values
 from .arguments import nested_rows, other_token_dims
 from .random_state import RandomState
@@ -215,13 +215,11 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         if t.dim() > 0 and t.shape[0] == tokens and t.untyped_storage().data_ptr() not in given]
     # An index into the rows (vLLM's logits_indices, taken inside forward). On CUDA such an index is a device-side
     # assert instead, which ends the process's CUDA context: only a CPU run gets here with it.
-    indexing = [name for name, value in arguments.items()
-                if ("out of bounds" in str(error) or isinstance(error, IndexOutOfRange))
-                and name not in core.arguments.dynamic and isinstance(value, torch.Tensor) and value.dim() == 1
-                and value.numel() > 0 and value.dtype in INDEX_DTYPES and rows <= int(value.max()) < tokens]
+    indexing = index_arguments(core, arguments, rows, tokens) \
+        if "out of bounds" in str(error) or isinstance(error, IndexOutOfRange) else {}
     if indexing:
         refusal = (f"{first_line(error)}. Argument(s) {', '.join(f'`{n}`' for n in indexing)} index the call's rows "
-                   f"(up to {max(int(arguments[n].max()) for n in indexing)}) but do not have one row per token. Index "
+                   f"(up to {max(indexing.values())}) but do not have one row per token. Index "
                    f"the output after the runner returns (as vLLM computes the logits at its logits_indices after "
                    f"the model's forward), or inside a splitting op, which sees the real rows")
     elif nested:  # they are the cause: their rows stayed the first call's (eager may even broadcast them)
@@ -238,7 +236,7 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
             made = core.arguments.leading(arguments, rows) if rows != counts[0] else made
             try:  # (on CUDA with the index bounds checked: an index past the rows would end the CUDA context)
                 with torch.no_grad(), forward_context(rows, rows, rehearsal=True), \
-                        BoundsCheck(lambda: "") if _on_cuda(made) else contextlib.nullcontext():
+                        BoundsCheck(current_line) if _on_cuda(made) else contextlib.nullcontext():
                     core.model(**made)
             except Exception as own:  # noqa: BLE001 - the model's own verdict on those rows
                 refusal = first_line(own)
@@ -256,6 +254,21 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
         f"real rows." + other_token_dims(core.arguments, arguments, tokens),
         "token_layout",
     ) from error
+
+
+def index_arguments(core: Core, arguments: dict[str, Any], rows: int, tokens: int) -> dict[str, int]:
+    """Arguments (not token arguments) holding a 1-D integer tensor, at any depth, whose largest value could index
+    the call's rows but not ``rows`` of them (vLLM's logits_indices), each with that value (a wait for the device
+    per such tensor)."""
+    found = {}
+    for name, argument in arguments.items():
+        if name in core.arguments.dynamic:
+            continue
+        for _, value in walk_tensors(argument):
+            if value is not None and value.dim() == 1 and value.numel() and value.dtype in INDEX_DTYPES \
+                    and rows <= (largest := int(value.max())) < tokens:
+                found[name] = max(found.get(name, largest), largest)
+    return found
 
 
 def _on_cuda(arguments: dict[str, Any]) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BlockerKind, ForwardRefused, first_line
+from ..errors import ForwardRefused, first_line
 from ..frontends.user_frames import caller_stacklevel
 from ..stored import values
 from .checks import RandomState, _compared, _difference, _padded_run, _same
@@ -58,7 +58,9 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
             "runs must repeat eager's.",
             stacklevel=caller_stacklevel())
         return
-    _compare(saved, rows, reference, size, (want, want_state), lambda at: run(at, arguments), first, "")
+    refusal = _compare(saved, rows, reference, size, (want, want_state), lambda at: run(at, arguments), first, "")
+    if refusal is not None:
+        raise refusal
     if rows < 2 or (saved is None and state_tensors(core, arguments)):  # made-up rows' writes could not be undone
         return
     # The call's rows all made copies of its first: the load a router puts on one expert is then the most it can
@@ -70,28 +72,25 @@ def check_count(core: Core, arguments: dict[str, Any]) -> None:
         if not first.same(RandomState()):
             raise RuntimeError("the forward draws random numbers on those rows")
         first.restore()
-        _compare(saved, rows, reference, size, want, lambda at: run(at, same), first, _COPIES)
-    except ForwardRefused as exc:
-        if exc.kind is not BlockerKind.TOKEN_MIXING or _COPIES not in str(exc):
-            logger.info("piecewise: the check of the token count on copies of the first row is left out (%s)",
-                        first_line(exc))
-            return
-        raise
-    except Exception as exc:  # noqa: BLE001 - made-up rows the forward need not take
+        refusal = _compare(saved, rows, reference, size, want, lambda at: run(at, same), first, _COPIES)
+    except Exception as exc:  # noqa: BLE001 - made-up rows the forward (or piecewise's checks) need not take
         logger.info("piecewise: the check of the token count on copies of the first row is left out (%s)",
                     first_line(exc))
     finally:
         restore(saved)
         first.restore()
+    if refusal is not None:
+        raise refusal
 
 
 _COPIES = ", every one a copy of the call's first (the most load a router can put on one expert)"
 
 
 def _compare(saved: Any, rows: int, reference: int, size: int, want: tuple, run: Any, first: RandomState,
-             made: str) -> None:
-    """Refuse the forward where the rows padded to ``size`` and ``want`` (run at ``reference``: as they are) differ,
-    in an output or in what they write, and a repeat of the reference run does not differ from the first."""
+             made: str) -> ForwardRefused | None:
+    """The refusal of the forward where the rows padded to ``size`` and ``want`` (run at ``reference``: as they
+    are) differ, in an output or in what they write, and a repeat of the reference run does not differ from the
+    first; None where they agree."""
     want, want_state = want
     got, got_state = run(size)
     first.restore()
@@ -100,13 +99,13 @@ def _compare(saved: Any, rows: int, reference: int, size: int, want: tuple, run:
                   if values(a, saved[i][0]).is_floating_point()  # cache's codes flip with float32's last bit
                   and not _same([values(a, saved[i][0])], [values(b, saved[i][0])])), None)
     if index is None and state is None:
-        return
+        return None
     again, again_state = run(reference)  # the first run repeated
     first.restore()
     if not (_same(again, want) and _same(again_state, want_state)):
         logger.info("piecewise: the forward gives other results on a repeat of the same run; the check of the token "
                     "count is left out")
-        return
+        return None
     if index is None:
         got, want, index = [values(t, saved[state][0]) for t in got_state], [
             values(t, saved[state][0]) for t in want_state], state
@@ -117,7 +116,7 @@ def _compare(saved: Any, rows: int, reference: int, size: int, want: tuple, run:
         causes = "a division by x.shape[0], arange(T) counted from the end or compared with the count (a mask of " \
                  "the last row), a capacity computed from the count, the count returned or kept, rows read at an " \
                  "offset from the end (x.roll(k, 0), x[-k])"
-    raise ForwardRefused(
+    return ForwardRefused(
         f"piecewise: the forward takes the token count for a value: with {rows} real token(s){made}, {what} differs "
         f"by {_difference(got[index], want[index])[0]:.1e} (relative) between "
         f"{'the call run as it is' if reference == rows else f'padding to {reference} tokens'} and padding to "

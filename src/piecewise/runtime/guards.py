@@ -54,10 +54,9 @@ def _codes(value: Any) -> list[Any]:
     try:
         if isinstance(value, property):
             return [code for part in (value.fget, value.fset) if part is not None for code in _codes(part)]
-        inner = getattr(value, "__func__", None) or getattr(value, "func", None) if not isinstance(
-            value, types.FunctionType) else value
-        if inner is not None and inner is not value:
-            return _codes(inner)
+        if not isinstance(value, types.FunctionType):  # staticmethod, classmethod, partialmethod, cached_property
+            inner = getattr(value, "__func__", None) or getattr(value, "func", None)
+            return _codes(inner) if inner is not None and inner is not value else []
         function = inspect.unwrap(value)
         return [function.__code__] if isinstance(function, types.FunctionType) else []
     except Exception:  # noqa: BLE001 - an object whose attributes misbehave (a proxy, a lazy module) holds no code
@@ -87,9 +86,10 @@ class CallGuard:
         self.global_state: Any = None
         self.training: bool | None = None
         self.modes: list[tuple[str, torch.nn.Module, bool]] = []
+        """Submodules whose code reads ``self.training`` (dropout, batch norm), with their mode at the first call;
+        their modules and modes apart too, compared as two lists on every call."""
         self.mode_modules: list[torch.nn.Module] = []
         self.mode_flags: list[bool] = []
-        """Submodules whose code reads ``self.training`` (dropout, batch norm), with their mode at the first call."""
         self.hooks: HookState | None = None
         self.expected: dict[str, tuple] = {}
         self.warned: set[str] = set()
