@@ -206,12 +206,17 @@ def main() -> int:
               for r in rows if r["dynamo"]]
     lines += ["", "Why each mode (the warm process):", ""]
     lines += [f"- {r['case']}: {r['frontend_reason'] or '(as configured)'}" for r in rows if r["run"] == "warm"]
+    return write_report(args.out, "startup", lines, meta, rows)
+
+
+def write_report(out: Path | None, stem: str, lines: list[str], meta: dict, rows: list[dict]) -> int:
+    """Print the table; with ``out``, write it to ``stem``.md and the rows to ``stem``.json."""
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "startup.md").write_text(text)
-        (args.out / "startup.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.md").write_text(text)
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 
 
