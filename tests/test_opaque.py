@@ -147,3 +147,26 @@ def test_a_users_op_keeps_the_callers_autocast_and_piecewises_own_attention_comp
         q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
         cache = torch.zeros(1, 2, 8, 1, 8)
         assert attention(q, k, k, torch.arange(3), cache, 0).dtype == torch.float32
+
+
+def test_ops_of_a_module_with_postponed_annotations_register_and_run_in_a_runner():
+    # ``from __future__ import annotations``: the types are strings naming the module's own imports (Tensor,
+    # Optional); torch.library takes them, so piecewise's ops must too (they were evaluated in piecewise's module).
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fixtures import future_annotations as f
+
+    attend = piecewise.opaque_op("test_opaque::future_add_maybe", split=True)(f.add_maybe)
+    scaled = piecewise.wrap_opaque(f.scale, name="test_opaque::future_scale")
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(attend(x, None), f.add_maybe(x, None))
+    torch.testing.assert_close(scaled(x, factor=3.0), x * 3)
+    torch.manual_seed(0)
+    model = f.Model(attend, scaled).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8))
+    with torch.no_grad():
+        for tokens in (5, 3, 8):
+            x = torch.randn(tokens, 8)
+            torch.testing.assert_close(runner(x), model(x))

@@ -70,6 +70,64 @@ def test_a_count_added_to_on_every_run_holds_each_call_once(frontend, compiler):
     assert model.load.sum() == 2 * sum(COUNTS)
 
 
+_LOADS: dict[str, torch.Tensor] = {}  # found by the layer's name, as vLLM's MoE op finds its layer's EPLB count
+
+
+@torch.library.custom_op("test_accumulated::moe_forward", mutates_args=())
+def moe_forward(x: torch.Tensor, topk: torch.Tensor, layer: str) -> torch.Tensor:
+    """vLLM's ``moe_forward``: the expert-load count is written through the layer it finds by name, not declared."""
+    flat = topk.flatten()
+    _LOADS[layer].scatter_add_(0, flat, torch.ones_like(flat, dtype=_LOADS[layer].dtype))
+    return x.clone()
+
+
+@moe_forward.register_fake
+def _(x, topk, layer):
+    return torch.empty_like(x)
+
+
+class UndeclaredCount(Routed):
+    """The count kept in an int32 buffer (vLLM's ``expert_load_pass``), the write hidden from the op's schema. The
+    router's bias dominates (DeepSeek's ``e_score_correction_bias`` can): pad rows of zeros and copies of real rows
+    count alike, so only the count of the rows tells the padding."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("load", torch.zeros(8, dtype=dtype))
+        with torch.no_grad():
+            self.gate.bias.copy_(torch.tensor([20.0, 10.0, 0, 0, 0, 0, 0, 0]))
+        _LOADS["layer0"] = self.load
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        _, topk = self.gate(x).softmax(-1).topk(2, -1)
+        return moe_forward(x, topk, "layer0")
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32])
+def test_a_count_an_op_writes_without_declaring_it_is_refused_or_exact(frontend, dtype):
+    """Padded, the op counts the pad rows too. An integer count went unchecked: 8 for a call of 5 tokens."""
+    torch.manual_seed(0)
+    model = UndeclaredCount(dtype).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=MAX, frontend=frontend))
+    want = torch.zeros(8, dtype=dtype)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for index, tokens in enumerate(COUNTS):
+            ids = torch.randint(0, 64, (tokens,), generator=generator)
+            try:
+                out = runner(ids)
+            except ForwardRefused as refused:
+                assert index == 0 and "mutates_args" in str(refused), refused
+                assert torch.equal(model.load, want), "a refused first call left its counts behind"
+                return
+            torch.testing.assert_close(out, model.embed(ids))
+            want.scatter_add_(0, model.gate(model.embed(ids)).softmax(-1).topk(2, -1)[1].flatten(),
+                              torch.ones(2 * tokens, dtype=dtype))
+            assert torch.equal(model.load, want), (tokens, model.load, want)
+
+
 class Histogram(nn.Module):
     """A histogram the caller passes (a static argument), added to by a splitting op on the real rows."""
 

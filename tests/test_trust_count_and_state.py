@@ -84,6 +84,43 @@ def test_an_expert_capacity_computed_from_the_count_is_refused(frontend):
             runner(x)
 
 
+class KeptCount(torch.nn.Module):
+    """Keeps the call's token count in a buffer (a cache length, a step size) that the next call reads."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("kept", torch.zeros((), dtype=dtype))
+
+    def forward(self, x):
+        out = self.lin(x) * (1 + self.kept.float() / 10)
+        self.kept.fill_(x.shape[0])
+        return out
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.int32])
+def test_a_count_kept_in_a_buffer_of_any_dtype_is_refused_or_exact(frontend, dtype):
+    """Padded, ``fill_(x.shape[0])`` keeps the padded count. An integer count (the natural dtype of a length) went
+    unchecked by breakable: the buffer held 8 after a call of 5 tokens, and the next call's output was off."""
+    torch.manual_seed(0)
+    model, twin = KeptCount(dtype).eval(), KeptCount(dtype).eval()
+    twin.load_state_dict(model.state_dict())
+    runner = piecewise.compile(model, _config(frontend))
+    with torch.no_grad():
+        for index, tokens in enumerate((5, 3, 7, 2)):
+            x = torch.randn(tokens, 8)
+            try:
+                out = runner(x)
+            except ForwardRefused as refused:
+                assert index == 0 and refused.kind == "token_mixing", refused
+                assert "buffer `kept`" in str(refused) and "buf.fill_(x.shape[0])" in str(refused)
+                return
+            torch.testing.assert_close(out, twin(x), msg=f"call {index} ({tokens} tokens)")
+            assert model.kept.item() == twin.kept.item() == tokens
+    assert frontend != "breakable", "breakable served a count it pads"
+
+
 class Flagged(TinyLlama):
     """A flag set on the model between calls (``last_only``: an engine asks for the last token's logits only)."""
 

@@ -172,8 +172,11 @@ def _compare_state(core: Core, saved: list | None, written: list | None, copied:
                 f"{size}, what it writes into {name} changes by {difference:.1e} (relative) when the padding rows "
                 f"hold other values. Every call is padded to a capture size, so the padding would reach that state "
                 f"on every padded call. Code outside splitting ops reads rows other than its own (a value taken "
-                f"from the last row, x[-1], a flip or a sort over the tokens) before it writes.{hint} Make that code "
-                f"a splitting op (piecewise.opaque_op(..., split=True)), which sees only the real rows.",
+                f"from the last row, x[-1], a flip or a sort over the tokens) before it writes, or the pad rows "
+                f"write into it themselves (an op that counts rows into state, an expert-load count for EPLB, a "
+                f"histogram, without naming the tensor in its mutates_args; a cache write at a slot the pad rows "
+                f"share).{hint} Make that code a splitting op (piecewise.opaque_op(..., split=True)), which sees "
+                f"only the real rows, or name the written tensor in the op's mutates_args.",
                 "token_mixing", chain)
 
 

@@ -25,7 +25,7 @@ from ..capture.state import Call, Phase
 from ..context import ForwardContext, forward_context
 from ..errors import BlockerKind, ForwardRefused
 from ..opaque import opaque_op_info
-from .model_state import state_tensors
+from .model_state import same_bits, state_tensors
 from .verify import rel_error, tolerance
 
 logger = logging.getLogger(__name__)
@@ -295,8 +295,11 @@ def snapshot(runner: Any, arguments: dict[str, Any]) -> list[tuple[torch.Tensor,
 
 
 def restore(saved: list[tuple[torch.Tensor, torch.Tensor, str]] | None) -> None:
+    """Put back what ``snapshot`` copied, where a run changed it: a tensor no run wrote keeps its count of in-place
+    writes (``model_state.Written`` tells by it what every run writes from what the warm-up built once)."""
     for tensor, copy, _ in saved or ():
-        tensor.copy_(copy)
+        if not same_bits(tensor, copy):
+            tensor.copy_(copy)
 
 
 def _copy_fits(tensors: list[torch.Tensor]) -> bool:

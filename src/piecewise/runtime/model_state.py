@@ -82,11 +82,11 @@ class Written:
     that adds (vLLM's expert-load count for EPLB, a step counter in a buffer) would hold every rehearsal's share.
     Taken before the warm-up: a copy of each state tensor (smallest first, within ``budget``); after it, what the
     warm-up wrote. ``put_back`` restores what it held before the call to each tensor the warm-up wrote and a later
-    run wrote again otherwise (written on every run, so the call writes it once more); what only the warm-up wrote
+    run wrote again (written on every run, so the call writes it once more); what only the warm-up wrote
     (built on first use) stays. A tensor too large to copy (a KV cache beyond the budget) is left as it is."""
 
     def __init__(self):
-        self.copies, self.after = [], None
+        self.copies, self.after, self.versions = [], None, []
 
     def take(self, runner: Any, arguments: dict[str, Any]) -> None:
         kept, room = [], {}
@@ -100,19 +100,31 @@ class Written:
         self.copies, self.after = kept, None
 
     def warmed_up(self) -> None:
-        self.copies = [(name, t, copy) for name, t, copy in self.copies if not _same_bits(t, copy)]
+        self.copies = [(name, t, copy) for name, t, copy in self.copies if not same_bits(t, copy)]
         self.after = [t.clone() for _, t, _ in self.copies]
+        self.versions = [_version(t) for _, t, _ in self.copies]
 
     def put_back(self, everything: bool = False) -> list[str]:
         """Restore the tensors written on every run (``everything``: each the warm-up wrote, a refused first call
         leaving no trace); their names."""
         names = []
-        for (name, tensor, copy), after in zip(self.copies, self.after or [None] * len(self.copies)):
-            if everything or not _same_bits(tensor, after):
+        for (name, tensor, copy), after, version in zip(self.copies, self.after or [None] * len(self.copies),
+                                                         self.versions or [None] * len(self.copies)):
+            # Written again with the same value (a count kept, ``buf.fill_(x.shape[0])``) counts too: a forward
+            # that reads it before writing must see what it held before the call, as eager's does.
+            if everything or not same_bits(tensor, after) or (version is not None and _version(tensor) != version):
                 tensor.copy_(copy)
                 names.append(name)
-        self.copies, self.after = [], None
+        self.copies, self.after, self.versions = [], None, []
         return names
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's count of in-place writes; None for an inference tensor, which keeps none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 def _budget(device: torch.device) -> int:
@@ -123,7 +135,7 @@ def _budget(device: torch.device) -> int:
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit for bit (a NaN equals itself; float8 has no ``==`` on every device)."""
     bits = _BITS.get(a.element_size()) if not a.is_complex() else None
     return bool(torch.equal(a.view(bits), b.view(bits)) if bits is not None else torch.equal(a, b))
