@@ -255,3 +255,49 @@ def test_a_refusal_names_the_attributes_the_first_calls_runs_set():
                                              r"time.*a cache grown with torch\.cat"):
         runner(torch.randn(5, H))
     assert model.k is None and model.v is None
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class Outer(nn.Module):
+    """vLLM's LlamaForCausalLM around LlamaModel: the inner model runs piecewise, the head after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.model, self.head = Inner(), nn.Linear(H, 4)
+        self.runner = None
+
+    def forward(self, x):
+        return self.head((self.runner or self.model)(x))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_forward_patched_with_its_own_runner_is_named_and_the_runner_beside_the_module_works(frontend):
+    """``model.forward = piecewise.compile(model)`` (torch.compile's habit) made the runner call itself: a raw
+    AttributeError from inside the first call. It is named, and the runner works once the patch is gone; a runner
+    kept beside the inner module and called from the outer forward serves exactly."""
+    torch.manual_seed(0)
+    model = Inner().eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    model.forward = runner
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=r"called from inside its own call \(model.forward = runner"):
+            model(x)
+        del model.forward
+        torch.testing.assert_close(runner(x), model(x))
+        outer = Outer().eval()
+        outer.runner = piecewise.compile(outer.model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
+                                                                              cache_dir=None))
+        for tokens in (5, 3, 8):
+            x = torch.randn(tokens, H)
+            got = outer(x)
+            outer_eager = outer.head(outer.model(x))
+            torch.testing.assert_close(got, outer_eager)

@@ -42,6 +42,7 @@ class PiecewiseModel(Core):
         if config.splitting_ops is not None:
             resolve_splitting_ops(config.splitting_ops)  # an unknown name is an error now, not at the first call
         self._prepared = False
+        self._running = False
 
     @property
     def token_arguments(self) -> dict[str, int] | None:
@@ -57,7 +58,22 @@ class PiecewiseModel(Core):
         if torch.compiler.is_compiling():  # inside the caller's torch.compile: run outside its trace (a graph break)
             return _outside_compile(self, args, kwargs)
         with runner_call():  # one runner call (and capture) at a time in the process
+            return self._call_once(args, kwargs)
+
+    def _call_once(self, args: tuple, kwargs: dict) -> Any:
+        if self._running:
+            patched = "model.forward = runner: " if self.model.__dict__.get("forward") is not None else ""
+            raise RuntimeError(
+                f"piecewise: the runner was called from inside its own call ({patched}the model's forward calls the "
+                f"runner, which runs the model's forward). Leave the model's forward as it is and call the runner "
+                f"instead of the model; inside an outer model (vLLM's LlamaForCausalLM around LlamaModel), keep the "
+                f"runner beside the inner module (`self.runner = piecewise.compile(self.model)`) and call "
+                f"`self.runner(...)` in the outer forward.")
+        self._running = True
+        try:
             return self._call(args, kwargs)
+        finally:
+            self._running = False
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         self.watch.check()
@@ -284,5 +300,5 @@ def _outside_compile(runner: PiecewiseModel, args: tuple, kwargs: dict) -> Any:
     part of another trace. (Not through ``runner(...)``: torch's compiling flag is the process's, set for the whole
     of another thread's compile or an export, and would send the call here again.)"""
     with runner_call():
-        return runner._call(args, kwargs)
+        return runner._call_once(args, kwargs)
 
