@@ -57,6 +57,7 @@ def test_bench_of_a_factory_takes_its_inputs_at_each_token_count(capsys):
                                               r"not exist"),
     (["--tokens", "4"], r"--tokens is for a path/to/file.py:factory target; a checkpoint folder takes --decode"),
     ([], r"holds a config but no weights: add --random-weights"),
+    (["--context", "-5"], r"argument --context: must be 0 or more, got -5"),
 ])
 def test_bench_usage_errors_say_what_to_give(checkpoint, capsys, argv, message):
     import re
@@ -135,3 +136,13 @@ def test_cache_list_piped_keeps_whole_names_and_keys(tmp_path, capsys, monkeypat
     out = capsys.readouterr().out
     key = piecewise.cache.Store(tmp_path).list()[0]["key"]
     assert "piecewise.models.llama.TinyLlama" in out and key[:24] in out and "…" not in out
+
+
+@pytest.mark.parametrize("command", ["bench", "generate"])
+@pytest.mark.parametrize("config", ['{"model_type": "nosuchmodel", "hidden_size": 64}', '{"model_type": "llama", '])
+def test_a_config_transformers_cannot_load_is_one_line_naming_the_folder(tmp_path, capsys, command, config):
+    (tmp_path / "config.json").write_text(config)
+    extra = ["--prompt-ids", "5,6"] if command == "generate" else []
+    assert main([command, str(tmp_path), "--random-weights", *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: transformers cannot load it: " in err and "Traceback" not in err

@@ -84,7 +84,9 @@ def test_the_models_eos_token_stops_by_default_and_streaming_yields_what_generat
 
 
 @pytest.mark.parametrize("setting", [("repetition_penalty", 1.3), ("no_repeat_ngram_size", 3),
-                                     ("suppress_tokens", [7]), ("do_sample", True)])
+                                     ("suppress_tokens", [7]), ("do_sample", True),
+                                     ("exponential_decay_length_penalty", (2, 1.5)), ("guidance_scale", 1.5),
+                                     ("stop_strings", ["end"])])
 def test_generation_config_settings_generate_does_not_apply_are_named_in_a_warning(setting):
     """Before, its tokens differed from transformers' generate with that config, silently."""
     model = build("Llama", seed=3)

@@ -284,3 +284,24 @@ def test_verify_passes_at_every_size_over_the_latent_cache(name, frontend):
         report = runner.verify(*make_inputs(3), make_inputs=make_inputs)
     assert report.ok, report
     assert runner.stats["frontend"] == frontend
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_enable_called_again_after_the_first_call_changes_nothing(frontend):
+    """``TokenModel`` tells a user to call ``enable(model)`` again after ``set_attn_implementation``; that gave each
+    MLA module a new bound forward, which breakable took for a method patched after the first call and refused."""
+    model = build("DeepseekV3", seed=3)
+    ids = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(4))
+    token_model = TokenModel(enable(model))
+    cache, reference = token_model.make_kv_cache(max_seq_len=12), token_model.make_kv_cache(max_seq_len=12)
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend))
+    with torch.no_grad():
+        torch.testing.assert_close(runner(ids[:6], torch.arange(6), cache), token_model(ids[:6], torch.arange(6),
+                                                                                      reference))
+        forwards = [layer.self_attn.forward for layer in model.model.layers]
+        enable(model)
+        assert [layer.self_attn.forward for layer in model.model.layers] == forwards
+        eager_calls = runner.stats["eager_calls"]
+        torch.testing.assert_close(runner(ids[6:], torch.tensor([6]), cache),
+                                   token_model(ids[6:], torch.tensor([6]), reference))
+        assert runner.stats["eager_calls"] == eager_calls

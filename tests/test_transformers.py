@@ -242,10 +242,21 @@ def windowed_models():
         num_key_value_heads=2, head_dim=16, sliding_window=3, attn_logit_softcapping=0.5,
         final_logit_softcapping=None)).eval()
     assert gemma.config.layer_types == ["sliding_attention", "full_attention"]
-    return {"mistral-window": mistral, "gemma2-window-softcap": gemma}
+    # Windows the model never passes to the attention, only to its mask (which piecewise does not build): Qwen2-MoE
+    # sets one on its sliding layers' modules, PhiMoE keeps it in the config for every layer.
+    moe = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_experts_per_tok=2)
+    qwen2_moe = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **moe, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32, use_sliding_window=True,
+        sliding_window=3, max_window_layers=1)).eval()
+    assert sorted(qwen2_moe.config.layer_types) == ["full_attention", "sliding_attention"]  # one of each
+    phimoe = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(**moe, num_local_experts=4,
+                                                                      sliding_window=4)).eval()
+    return {"mistral-window": mistral, "gemma2-window-softcap": gemma, "qwen2-moe-window": qwen2_moe,
+            "phimoe-window": phimoe}
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window-softcap"])
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window-softcap", "qwen2-moe-window", "phimoe-window"])
 def test_sliding_windows_and_softcapping_equal_transformers(name):
     """Without a cache, with one sequence's cache (prefill then decode steps), and with slots: logits equal
     transformers' eager forward over the whole sequence, past the window."""

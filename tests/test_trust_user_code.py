@@ -301,3 +301,42 @@ def test_a_forward_patched_with_its_own_runner_is_named_and_the_runner_beside_th
             got = outer(x)
             outer_eager = outer.head(outer.model(x))
             torch.testing.assert_close(got, outer_eager)
+
+
+@piecewise.opaque_op("test_trust_user_code::doubled", split=True)
+def doubled(q: torch.Tensor) -> torch.Tensor:
+    return q * 2
+
+
+def _untraceable(x):
+    torch._dynamo.graph_break()  # any Python Dynamo cannot trace (a JIT library's call, a lock)
+    return x
+
+
+class BatchFirstBreak(nn.Module):
+    """Activations [1, T, H], as transformers' and gpt-fast's are, and a graph break after the splitting op."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb, self.a, self.b = nn.Embedding(32, H), nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, ids):
+        x = self.a(self.emb(ids)[None] if self.batch_first else self.emb(ids))
+        y = doubled(x[0] if self.batch_first else x)
+        return self.b(_untraceable(y[None] if self.batch_first else y))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_batch_first_activations_after_a_graph_break_are_served_by_dynamo(batch_first):
+    """After a break the graphs are traced per size: a [1, T, H] tensor was taken for a value that combines the
+    token rows, and its padded rows were not cut, so the forward was refused for the token count ("differs by
+    inf")."""
+    torch.manual_seed(0)
+    model = BatchFirstBreak(batch_first).eval()
+    runner = piecewise.compile(model, piecewise.CaptureConfig(max_tokens=16, frontend="dynamo", cache_dir=None))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph break's
+        for tokens in (5, 3, 16, 9):
+            ids = torch.randint(0, 32, (tokens,))
+            torch.testing.assert_close(runner(ids), model(ids))

@@ -157,6 +157,14 @@ def output_path(path: str | None, flag: str) -> str | None:
     return path
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an int of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int of at least 1."""
     value = int(text)

@@ -12,7 +12,9 @@ import json
 import os
 import sys
 
-from .cli_base import EXIT_OK, UsageError, _console, _subcommand, load_target, output_path, positive_int
+from .cli_base import (EXIT_OK, UsageError, _console, _subcommand, load_target, non_negative_int, output_path,
+                       positive_int)
+from .errors import first_line
 
 
 def _sizes(text: str, what: str) -> list[int]:
@@ -48,7 +50,10 @@ def _checkpoint(target: str, random_weights: bool):
     has_weights = any(name.endswith((".safetensors", ".bin")) for name in os.listdir(folder))
     if not random_weights and not has_weights:
         raise UsageError(f"{folder} holds a config but no weights: add --random-weights to time the architecture")
-    return load_transformers(folder, random_weights)
+    try:
+        return load_transformers(folder, random_weights)
+    except (ValueError, OSError, KeyError) as exc:  # an unknown model_type, a config that is not JSON
+        raise UsageError(f"{folder}: transformers cannot load it: {first_line(exc)}") from exc
 
 
 def add_bench(subparsers: argparse._SubParsersAction) -> None:
@@ -64,7 +69,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokens", default="", help="token counts of a factory target (needs FACTORY_inputs)")
     parser.add_argument("--decode", default=None, help="decode batches of a checkpoint (default 1,8,32)")
     parser.add_argument("--prefill", default=None, help="prefill lengths of a checkpoint (default 512)")
-    parser.add_argument("--context", type=int, default=512, help="cached tokens before each decode step")
+    parser.add_argument("--context", type=non_negative_int, default=512, help="cached tokens before each decode step")
     parser.add_argument("--modes", default="", help="comma-separated mode names to time (default: all)")
     parser.add_argument("--rounds", type=positive_int, default=5, help="timing rounds per call (median)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -9,6 +9,7 @@ op's where Inductor compiles."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,3 +100,17 @@ def fake_mismatch(name: str, op: Callable, args: tuple, kwargs: dict, result: An
                 f"inputs: {inputs}). Compiled pieces assume the fake's strides: return contiguous tensors from "
                 f"both (x.new_empty(shape) in the fake), or make the fake's strides the op's (torch.empty_strided)."))
     return FakeCheck(contiguous=contiguous and not all(t.is_contiguous() for t in real))
+
+
+def resolved_signature(impl: Callable) -> tuple[inspect.Signature, dict[str, Any]]:
+    """``impl``'s signature and annotations for an op's wrapper, string annotations (``from __future__ import
+    annotations``) evaluated in ``impl``'s module: torch would evaluate them in the wrapper's, where ``Tensor`` or
+    ``Optional`` may not be defined."""
+    try:
+        signature = inspect.signature(impl, eval_str=True)
+    except Exception:  # noqa: BLE001 - a name its module lacks too: torch's own error says which
+        signature = inspect.signature(impl)
+    annotations = {name: p.annotation for name, p in signature.parameters.items() if p.annotation is not p.empty}
+    if signature.return_annotation is not signature.empty:
+        annotations["return"] = signature.return_annotation
+    return signature, annotations

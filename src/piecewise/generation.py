@@ -146,7 +146,9 @@ def _stop_tokens(model: nn.Module, stop_tokens: Sequence[int] | None) -> set[int
 
 _NEUTRAL = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "suppress_tokens": None, "begin_suppress_tokens":
             None, "bad_words_ids": None, "min_new_tokens": None, "min_length": 0, "num_beams": 1, "do_sample": False,
-            "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None}
+            "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
+            "exponential_decay_length_penalty": None, "guidance_scale": None, "watermarking_config": None,
+            "stop_strings": None, "penalty_alpha": None}
 """transformers' ``GenerationConfig`` fields ``generate`` does not apply, with the values that change nothing."""
 
 

@@ -20,7 +20,7 @@ import torch
 
 from . import _compat
 from .errors import FakeMismatch
-from .fakes import FakeCheck, contiguous_outputs, fake_mismatch
+from .fakes import FakeCheck, contiguous_outputs, fake_mismatch, resolved_signature
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +190,7 @@ def _register(
         return contiguous_outputs(result) if info.contiguous else result
 
     info.impl = body
-    body.__signature__ = _resolved_signature(impl)  # custom_op infers the schema from this signature
-    body.__annotations__ = {**{name: p.annotation for name, p in body.__signature__.parameters.items()
-                               if p.annotation is not inspect.Parameter.empty},
-                            **({"return": body.__signature__.return_annotation}
-                               if body.__signature__.return_annotation is not inspect.Signature.empty else {})}
+    body.__signature__, body.__annotations__ = resolved_signature(impl)  # custom_op infers the schema from these
     if isinstance(mutates_args, str):  # one argument's name, or torch's "unknown"
         mutates = mutates_args if mutates_args == "unknown" else (mutates_args,)
     else:
@@ -220,15 +216,6 @@ def _register(
         if split:
             _splitting_ops.add(qualified)
     return op
-
-
-def _resolved_signature(impl: Callable) -> inspect.Signature:
-    """``impl``'s signature with string annotations (``from __future__ import annotations``) evaluated in its own
-    module: torch would evaluate them in the wrapper's, where ``Tensor`` or ``Optional`` may not be defined."""
-    try:
-        return inspect.signature(impl, eval_str=True)
-    except Exception:  # noqa: BLE001 - a name its module lacks too: torch's own error says which
-        return inspect.signature(impl)
 
 
 def opaque_op(

@@ -28,6 +28,16 @@ def map_outputs(fn: Any, output: Any) -> Any:
     return torch.utils._pytree.tree_map(leaf, output)
 
 
+def padded_dim(value: torch.Tensor, size: int) -> int | None:
+    """The dimension of a tensor that is the padded token count ``size``, where no trace says which: the first, or
+    the second behind a batch of one ([1, T, ...]: transformers' and gpt-fast's activations); None where neither."""
+    if value.dim() > 0 and value.shape[0] == size:
+        return 0
+    if value.dim() > 1 and value.shape[0] == 1 and value.shape[1] == size:
+        return 1
+    return None
+
+
 def output_tensors(output: Any) -> list[torch.Tensor]:
     """The tensors of ``output`` in ``map_outputs``' order (dataclass fields included)."""
     found: list[torch.Tensor] = []

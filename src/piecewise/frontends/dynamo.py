@@ -332,12 +332,11 @@ def _refuse_mixed_values(graph: torch.fx.GraphModule, state) -> None:
 
 
 def _carries_tokens(value, size: int, static: set[int]) -> bool:
-    """A tensor with the token dimension: symbolic, or (a graph after a break traced for one size) as long as it."""
+    """A tensor with the token dimension: symbolic, or (a graph after a break, traced for each size) as long as the
+    size in any dimension ([1, T, H] activations, a [1, 1, T, T] mask)."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
-    if any(_compat.symbolic(extent) for extent in value.shape):
-        return True
-    return size > 1 and value.shape[0] == size
+    return any(_compat.symbolic(extent) for extent in value.shape) or (size > 1 and size in value.shape)
 
 
 def mixing_places(nodes: list[torch.fx.Node]) -> tuple[str, list[traceback.FrameSummary]]:

@@ -225,6 +225,8 @@ def enable_latent(model: nn.Module, on: bool = True) -> bool:
     supported = is_mla(model.config) and attention and all(type(m).__name__ in LATENT_CLASSES for m in attention)
     for module in attention:
         if on and supported:
+            if getattr(module.__dict__.get("forward"), "__func__", None) is latent_forward:
+                continue  # enable() again (after set_attn_implementation): a new method would read as a change
             module.forward = types.MethodType(latent_forward, module)
             module._piecewise_rotary = _rotary(module)
             module._piecewise_returns_topk = "prev_topk_indices" in inspect.signature(type(module).forward).parameters

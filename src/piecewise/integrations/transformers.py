@@ -118,7 +118,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             f"leave this model's attn_implementation as it was"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    window = int(kwargs.get("sliding_window") or 0)
+    window = _window(module, kwargs)
     softcap = float(kwargs.get("softcap") or 0.0)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # token-major [T, H, D]
     value_dim = v.shape[-1]
@@ -200,6 +200,19 @@ def _is_experts(module: nn.Module) -> bool:
     [E, H, I] tensors). Dense MLPs with layers of those names (Phi-3, GLM-4: ``nn.Linear``) are not."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     return isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and isinstance(down, torch.Tensor)
+
+
+def _window(module: nn.Module, kwargs: dict) -> int:
+    """The layer's sliding window as the model passes it (Mistral, Gemma), else as its mask (which ``_no_mask`` drops)
+    would apply it: the module's own (Qwen2-MoE's sliding layers), the config's for a ``sliding_attention`` layer,
+    or without layer types the config's for every layer (PhiMoE); 0 for none."""
+    if "sliding_window" in kwargs or "sliding_window" in vars(module):
+        return int(kwargs.get("sliding_window", vars(module).get("sliding_window")) or 0)
+    config = getattr(module, "config", None)
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if not window or not layer_types:
+        return int(window or 0)
+    return int(window) if layer_types[getattr(module, "layer_idx", 0)] == "sliding_attention" else 0
 
 
 def _no_mask(*args, **kwargs):

@@ -11,7 +11,7 @@ import torch
 
 from ..capture.buffers import InputStager
 from ..capture.ladder import Ladder
-from ..capture.outputs import map_outputs
+from ..capture.outputs import map_outputs, padded_dim
 from ..capture.state import IDLE, Call, CaptureState, Phase
 from ..capture.stats import Stats
 from ..config import CaptureConfig
@@ -101,8 +101,8 @@ class Core:
             dim = dims.get(id(value), _UNKNOWN)
             if dim is _UNKNOWN:  # no front-end knowledge (Python after a graph break): the padded length, unless
                 # it is the model's own tensor or a static argument (a parameter returned as it is)
-                dim = 0 if value.dim() > 0 and value.shape[0] == size and \
-                    value.untyped_storage().data_ptr() not in self.state.static_storages else None
+                dim = padded_dim(value, size) if value.untyped_storage().data_ptr() not in \
+                    self.state.static_storages else None
             if dim is not None and tokens != size:
                 value = value.narrow(dim, 0, tokens)
             return value.clone() if clone else value
