@@ -10,6 +10,7 @@ import torch
 import piecewise
 
 transformers = pytest.importorskip("transformers")
+from piecewise.errors import CaptureFailed  # noqa: E402
 from piecewise.integrations.transformers import TokenModel, enable  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -111,3 +112,36 @@ def test_bf16_graphs_replay_what_the_padded_pieces_compute(experts):
             assert runner.stats["pieces"] == 4 and runner.stats["replays"] > 0
     for captured, plain in zip(*results):
         assert rel_error(captured, plain) <= 1e-3
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window-softcap", "qwen2-moe-window", "phimoe-window"])
+def test_sliding_windows_replayed_equal_transformers(name):
+    """Windows passed to the attention (Mistral, Gemma 2) and one transformers applies only through its mask
+    (Qwen2-MoE's sliding layers), float32, through the CUDA kernels: a prefill past the window, then decode steps
+    replayed, against transformers' eager forward over the whole sequence. PhiMoE (its window in the config) is
+    refused on CUDA for its rotary's copy from the host."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from test_transformers import windowed_models
+
+    model = windowed_models()[name].cuda()
+    ids = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.no_grad():
+        expected = model(input_ids=ids[None], position_ids=torch.arange(10, device="cuda")[None],
+                         use_cache=False).logits[0]
+    token_model = TokenModel(enable(model))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8]))
+    cache = token_model.make_kv_cache(max_seq_len=16)
+    if name == "phimoe-window":  # its rotary copies inv_freq from the host at every call: refused, named
+        with torch.no_grad(), pytest.warns(UserWarning), pytest.raises(CaptureFailed, match=r"modeling_phimoe.py"):
+            runner(ids[:6], torch.arange(6, device="cuda"), cache)
+        return
+    with torch.no_grad():
+        torch.testing.assert_close(runner(ids[:6], torch.arange(6, device="cuda"), cache), expected[:6],
+                                   rtol=1e-4, atol=1e-4)
+        for position in range(6, 10):
+            step = runner(ids[position : position + 1], torch.tensor([position], device="cuda"), cache)
+            torch.testing.assert_close(step[0], expected[position], rtol=1e-4, atol=1e-4)
+    assert runner.stats["replays"] > 0

@@ -64,3 +64,29 @@ def test_an_index_argument_into_the_rows_is_refused_before_it_ends_the_cuda_cont
         runner(ids, positions, torch.tensor([4, 7, 7, 7], device="cuda"))
     torch.cuda.synchronize()  # the context lives on
     assert torch.ones(4, device="cuda").sum().item() == 4
+
+
+@pytest.mark.parametrize("frontend", cases.FRONTENDS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_a_count_kept_in_a_buffer_is_refused_or_exact_with_replays(frontend, dtype):
+    """An integer count kept with ``fill_(x.shape[0])`` held the padded count under breakable's replays; a forward
+    reading the count before writing saw the first call's own write in that call under Dynamo."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from test_trust_count_and_state import KeptCount
+
+    torch.manual_seed(0)
+    model, twin = KeptCount(dtype).eval().cuda(), KeptCount(dtype).eval().cuda()
+    twin.load_state_dict(model.state_dict())
+    runner = piecewise.compile(model, piecewise.CaptureConfig(capture_sizes=[1, 2, 4, 8], frontend=frontend,
+                                                              cache_dir=None))
+    with torch.no_grad():
+        for index, tokens in enumerate((5, 3, 7, 2)):
+            x = torch.randn(tokens, 8, device="cuda")
+            try:
+                out = runner(x)
+            except ForwardRefused as refused:
+                assert index == 0 and "buffer `kept`" in str(refused), refused
+                return
+            torch.testing.assert_close(out, twin(x), msg=f"call {index} ({tokens} tokens)")
+            assert model.kept.item() == twin.kept.item() == tokens
+    assert runner.stats["replays"] > 0
