@@ -220,7 +220,9 @@ def _describe_object(name: str, want: tuple, value: Any) -> str:
                f"shape and dtype at another address), and the graphs read the one it held then"
     field = changed[0][0] if changed else None
     return f"argument {name!r} holds other values than at the first call" + (f" (field `{field}`)" if field else "") \
-        + ", and the graphs read what it held then"
+        + (", which the forward may read: a breakable replay runs none of its Python, so an argument object's fields "
+           "are all compared, read or not (pass the forward only what it reads, as tensors where they change)"
+           if field else "")
 
 
 def _moved_tensor(old: Any, new: Any) -> bool:
