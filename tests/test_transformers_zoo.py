@@ -248,3 +248,25 @@ def test_a_cache_of_the_wrong_head_count_is_refused_with_the_shapes():
     wrong = torch.zeros(*cache.shape[:-2], cache.shape[-2] * 2, cache.shape[-1])
     with torch.no_grad(), pytest.raises(ValueError, match=r"has 2 key/value heads of width 16, the KV cache 4 of width 16"):
         token_model(torch.tensor([3, 4]), torch.arange(2), wrong)
+
+
+@pytest.mark.parametrize("frontend", ["dynamo", "breakable"])
+def test_token_model_arguments_of_another_layout_or_dtype_are_named(frontend):
+    """They ended in torch's own errors from inside the attention (index_copy_'s dtypes, an index out of bounds,
+    an expand inside transformers' masks); int32 positions (numpy's) failed as indices and are taken."""
+    model = build("Qwen2")
+    token_model = TokenModel(enable(model))
+    runner = piecewise.compile(token_model, piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    cache = token_model.make_kv_cache(max_seq_len=32)
+    ids = torch.tensor([3, 4, 5, 6, 7])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"kv_cache has dtype torch.bfloat16 and the model torch.float32"):
+            runner(ids, torch.arange(5), cache.bfloat16())
+        with pytest.raises(ValueError, match=r"holds 1 layers and the model has 2"):
+            runner(ids, torch.arange(5), cache[:1].clone())
+        with pytest.raises(ValueError, match=r"TokenModel takes flat token ids \[T\].*got \(1, 5\)"):
+            runner(ids[None], torch.arange(5)[None], cache)
+        reference = token_model.make_kv_cache(max_seq_len=32)
+        want = token_model(ids, torch.arange(5), reference)
+        torch.testing.assert_close(runner(ids, torch.arange(5, dtype=torch.int32), cache), want)
+        torch.testing.assert_close(cache, reference)

@@ -19,6 +19,15 @@ def check_cache(model: nn.Module, kv_cache: torch.Tensor, slots: torch.Tensor | 
     if not (kv_cache.dtype.is_floating_point or fp8):
         raise ValueError(f"kv_cache has dtype {kv_cache.dtype}; make it with TokenModel(model).make_kv_cache, in the "
                          f"model's floating dtype" + (" or dtype='fp8' (a latent cache of FP8 rows)" if latent else ""))
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", next(model.parameters())).dtype  # (not an NVFP4 layer's packed codes)
+    if not fp8 and kv_cache.dtype != weight and not torch.is_autocast_enabled(kv_cache.device.type):
+        raise ValueError(f"kv_cache has dtype {kv_cache.dtype} and the model {weight}: make it with "
+                         f"TokenModel(model).make_kv_cache, which takes the model's, or run under torch.autocast")
+    layers = getattr(model.config, "num_hidden_layers", 0)
+    if kv_cache.dim() > 0 and kv_cache.shape[0] < layers:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} holds {kv_cache.shape[0]} layers and the model has "
+                         f"{layers}: make it with TokenModel(model).make_kv_cache")
     width = mla.row_width(model.config, latent_fp8.DTYPE if fp8 else kv_cache.dtype) if latent else None
     if kv_cache.dim() == want and (not latent or kv_cache.shape[-1] == width):
         return

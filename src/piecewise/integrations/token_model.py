@@ -30,6 +30,11 @@ class TokenModel(nn.Module):
         """``logits_rows`` [R]: only those rows' logits → [R, vocab] (transformers' ``logits_to_keep``): a prefill
         of many prompts needs one row per prompt, and the output head over every token is a quarter of a small
         model's work. For calls outside a runner (its graphs are captured without it)."""
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(f"TokenModel takes flat token ids [T] and one position per token [T], got "
+                             f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}: pass ids[0] for a batch of one "
+                             f"([1, T], transformers' layout), or the tokens of many sequences flattened, with slots")
+        position_ids = position_ids if position_ids.dtype == torch.long else position_ids.long()  # (int32: numpy's)
         keep = {} if logits_rows is None else {"logits_to_keep": logits_rows}
         extra = {} if kv_cache is None else {"piecewise_kv_cache": kv_cache, "piecewise_positions": position_ids}
         if slots is not None:

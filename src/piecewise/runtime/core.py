@@ -64,6 +64,8 @@ class Core:
         """A user call's arguments, token dimensions first (``Arguments.take``); where the model takes a token
         argument in another layout, the runtime calls it through ``TokensFirst`` from then on."""
         arguments = self.arguments.take(args, kwargs)
+        if self.arguments.first_signature is None and isinstance(self.model, TokensFirst):
+            self.model = self.model.model  # a first call again (the last one failed): its layout decided anew
         if self.arguments.moved and not isinstance(self.model, TokensFirst):
             self.model = TokensFirst(self.model, self.arguments.moved)
         return arguments
