@@ -64,10 +64,12 @@ class Core:
         """A user call's arguments, token dimensions first (``Arguments.take``); where the model takes a token
         argument in another layout, the runtime calls it through ``TokensFirst`` from then on."""
         arguments = self.arguments.take(args, kwargs)
-        if self.arguments.first_signature is None and isinstance(self.model, TokensFirst):
-            self.model = self.model.model  # a first call again (the last one failed): its layout decided anew
+        wrapped = self.__dict__.get("_wrapped", False)  # a TokensFirst of its own (a search's trial is given one)
+        if self.arguments.first_signature is None and wrapped:
+            self.model, wrapped = self.model.model, False  # a first call again (the last one failed): layout anew
         if self.arguments.moved and not isinstance(self.model, TokensFirst):
-            self.model = TokensFirst(self.model, self.arguments.moved)
+            self.model, wrapped = TokensFirst(self.model, self.arguments.moved), True
+        self._wrapped = wrapped
         return arguments
 
     def parts(self) -> Parts:
