@@ -395,3 +395,31 @@ def test_an_output_object_deeper_than_any_fixed_walk_without_tensors_is_served()
         hidden, config = runner(x)
     torch.testing.assert_close(hidden, model(x)[0])
     assert config == nested_config(40)
+
+
+class Intermediate:
+    """vLLM's IntermediateTensors: the per-token tensors one level further down, in a dict."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+class ScaledByIntermediate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x, intermediate: Intermediate):
+        return self.a(x) * intermediate["scale"][:, None]
+
+
+@pytest.mark.parametrize("frontend", ["auto", "dynamo", "breakable"])
+def test_token_tensors_deeper_inside_an_argument_object_are_named_too(frontend):
+    runner = piecewise.compile(ScaledByIntermediate().eval(),
+                               piecewise.CaptureConfig(max_tokens=8, frontend=frontend, cache_dir=None))
+    with torch.no_grad(), pytest.raises(ForwardRefused) as info:
+        runner(torch.randn(3, 8), Intermediate({"scale": torch.rand(3)}))
+    assert "intermediate.tensors['scale'] kept the first call's 3 rows" in str(info.value)

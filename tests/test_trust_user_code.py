@@ -340,3 +340,56 @@ def test_batch_first_activations_after_a_graph_break_are_served_by_dynamo(batch_
         for tokens in (5, 3, 16, 9):
             ids = torch.randint(0, 32, (tokens,))
             torch.testing.assert_close(runner(ids), model(ids))
+
+
+class _StepContext:
+    """vLLM's forward context under fast_moe_cold_start: each MoE call takes the next layer's name from it."""
+
+    def __init__(self, layers: int):
+        self.names, self.index = [f"layer{i}" for i in range(layers)], 0
+
+    def next_layer(self) -> str:
+        assert self.index < len(self.names), "more MoE calls than MoE layers in this step"
+        self.index += 1
+        return self.names[self.index - 1]
+
+
+_STEP: list[_StepContext] = []  # set by the engine before each step
+_LAYERS: dict[str, nn.Module] = {}  # vLLM's static_forward_context: the layers by name
+
+
+@torch.library.custom_op("test_trust_user_code::moe_forward", mutates_args=())
+def moe_forward(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``moe_forward`` with its layer name taken from the step's context."""
+    return _LAYERS[_STEP[-1].next_layer()](x)
+
+
+@moe_forward.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class CountedLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({f"layer{i}": nn.Linear(H, H) for i in range(2)})
+        _LAYERS.update(self.layers)
+
+    def forward(self, x):
+        for _ in range(2):
+            x = moe_forward(x)
+        return x
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_state_the_forward_advances_on_every_run_is_named(frontend):
+    """The first call runs the forward several times inside one engine step: Dynamo's refusal blamed per-sequence
+    lengths, breakable raised the model's own AssertionError."""
+    torch.manual_seed(0)
+    runner = piecewise.compile(CountedLayers().eval(), piecewise.CaptureConfig(max_tokens=8, frontend=frontend,
+                                                                                cache_dir=None))
+    _STEP[:] = [_StepContext(2)]
+    with torch.no_grad(), pytest.raises(ForwardRefused, match=r"more MoE calls than MoE layers.*state the forward "
+                                                              r"advances on every run") as refused:
+        runner(torch.randn(5, H))
+    assert refused.value.kind == "state_update"

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..capture.outputs import walk_tensors
 from ..capture.state import STATE_CHANGE
 from .guards import NOT_SET, summary, summary_difference
 from .layout import inner
@@ -373,8 +374,10 @@ def nested_rows(arguments: dict[str, Any], tokens: int) -> list[str]:
             items = enumerate(value)
         else:
             items = vars(value).items() if hasattr(value, "__dict__") and not isinstance(value, type) else ()
-        found += [f"{name}.{key}" if not isinstance(key, int) else f"{name}[{key}]" for key, item in items
-                  if isinstance(item, torch.Tensor) and item.dim() > 0 and item.shape[0] == tokens]
+        for key, item in items:  # deeper too: vLLM's IntermediateTensors keeps its tensors in a dict, `.tensors`
+            label = f"{name}.{key}" if not isinstance(key, int) else f"{name}[{key}]"
+            found += [label + path for path, t in walk_tensors(item)
+                      if t is not None and t.dim() > 0 and t.shape[0] == tokens]
     return found
 
 

@@ -28,6 +28,7 @@ from ..frontends.user_frames import chain_text, current_line, is_user_file
 from ..stored import values
 from .arguments import nested_rows, other_token_dims
 from .random_state import RandomState
+from .rerun import refuse_if_not_repeatable
 from .core import Core
 from .full_graphs import restore, snapshot
 from .model_state import global_tensors
@@ -210,6 +211,7 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
 
     if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)):
         return  # (a trace's error where the model's own forward takes the rows is the trace's: propagated below)
+    refuse_if_not_repeatable(core, arguments, error)
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
     given = {t.untyped_storage().data_ptr() for value in arguments.values() for _, t in walk_tensors(value)
              if t is not None}  # a global that is the call's own argument (a notebook's `ids`) is not the cause

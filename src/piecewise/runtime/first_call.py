@@ -26,6 +26,7 @@ from ..opaque import check_fakes, opaque_call_counts, resolve_splitting_ops
 from .bounds import drop_sizes_out_of_range, refuse_indices_past_rows
 from .capture_sizes import capture_all, out_of_memory
 from .checks import ModuleState, check_one_token, check_padding, refuse_if_rows_refused, warn_changed_state
+from .rerun import refuse_if_not_repeatable
 from .random_state import OWN_GENERATORS, RandomState, own_generators, refuse_cuda_generators
 from . import op_reads
 from .core import Core
@@ -312,6 +313,8 @@ def _rehearse(core: Core, arguments: dict[str, Any], count: int) -> Any:
     try:
         return core.run_call(Call(Phase.PADDED, count, count), direct_tokens(made, given), rehearsal=True)
     except Exception as exc:
+        if count == tokens:  # the warm-up's own rows
+            refuse_if_not_repeatable(core, arguments, exc)
         if count < tokens:  # rows past the call's own: its first rows repeated (a batch-first call is named later)
             refuse_if_rows_refused(core, made, count, count, arguments, exc)
         raise
