@@ -210,8 +210,9 @@ class BreakableFrontend:
             if same:
                 raise ForwardRefused(
                     f"piecewise: the forward's Python gives other values on another run of the same call, at "
-                    f"{difference}: a number drawn with random, read from a clock, or counted in Python. A captured "
-                    f"graph keeps the values of its capture, so every replay would repeat them.",
+                    f"{difference}: a number drawn with random, read from a clock, counted in Python, or read from a "
+                    f"tensor's data on the host (`.numpy()`, `.tolist()`: a count over the rows, which the pad rows "
+                    f"change). A captured graph keeps the values of its capture, so every replay would repeat them.",
                     "frozen_value")
             if other - size > 1:
                 raise ForwardRefused(
