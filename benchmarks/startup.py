@@ -178,16 +178,10 @@ def main() -> int:
             for run in ("cold", "warm") + (("profiled",) if args.profile else ()):
                 command = [sys.executable, __file__, "--child", case] + (["--tiny"] if args.tiny else []) + \
                     (["--profile-child"] if run == "profiled" else [])
-                started = time.perf_counter()
-                done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env, check=True)
-                row = json.loads(done.stdout.strip().splitlines()[-1])
-                row.update(run=run, process_s=time.perf_counter() - started)
-                print(json.dumps(row), flush=True)
+                row = run_child(command, env, run)
                 if run != "profiled":
                     rows.append(row)
-    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "command": "PYTHONPATH=src python benchmarks/startup.py " + " ".join(sys.argv[1:])}
+    meta = report_meta("startup.py")
     lines = [f"# First call, cold and with the cache warm ({meta['date']})", "",
              f"`{meta['command']}` · torch {meta['torch']} · {meta['device']}", "",
              "| case | process | cache | first call s | compile s | pieces shared | capture s | warm-up s | mode | "
@@ -207,6 +201,23 @@ def main() -> int:
     lines += ["", "Why each mode (the warm process):", ""]
     lines += [f"- {r['case']}: {r['frontend_reason'] or '(as configured)'}" for r in rows if r["run"] == "warm"]
     return write_report(args.out, "startup", lines, meta, rows)
+
+
+def run_child(command: list[str], env: dict[str, str], run: str) -> dict:
+    """A fresh process's row (the last line it prints, JSON), with ``run`` and the process's seconds; printed."""
+    started = time.perf_counter()
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env, check=True)
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row.update(run=run, process_s=time.perf_counter() - started)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def report_meta(script: str) -> dict:
+    """Date, torch, device and the command that ran ``benchmarks/<script>``."""
+    return {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "command": f"PYTHONPATH=src python benchmarks/{script} " + " ".join(sys.argv[1:])}
 
 
 def write_report(out: Path | None, stem: str, lines: list[str], meta: dict, rows: list[dict]) -> int:

@@ -15,21 +15,19 @@ Writes startup_floor.md and startup_floor.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 started_process = time.perf_counter()
-import torch  # noqa: E402
+import torch  # noqa: E402, F401 - timed: what a process pays to import it
 
 IMPORT_S = time.perf_counter() - started_process
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup import build, sync, write_report  # noqa: E402
+from startup import build, report_meta, run_child, sync, write_report  # noqa: E402
 
 
 def child(case: str, tiny: bool) -> dict:
@@ -95,15 +93,8 @@ def main() -> int:
             env.pop("PYTHONDONTWRITEBYTECODE", None)
             for run in ("cold", "warm"):
                 command = [sys.executable, __file__, "--child", case] + (["--tiny"] if args.tiny else [])
-                began = time.perf_counter()
-                done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env, check=True)
-                row = json.loads(done.stdout.strip().splitlines()[-1])
-                row.update(run=run, process_s=time.perf_counter() - began)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "command": "PYTHONPATH=src python benchmarks/startup_floor.py " + " ".join(sys.argv[1:])}
+                rows.append(run_child(command, env, run))
+    meta = report_meta("startup_floor.py")
     lines = [f"# What torch alone costs at start ({meta['date']})", "",
              f"`{meta['command']}` · torch {meta['torch']} · {meta['device']}", "",
              "| case | process | import torch s | import Inductor s | torch.compile first call s | "

@@ -19,8 +19,8 @@ def check_cache(model: nn.Module, kv_cache: torch.Tensor, slots: torch.Tensor | 
     if not (kv_cache.dtype.is_floating_point or fp8):
         raise ValueError(f"kv_cache has dtype {kv_cache.dtype}; make it with TokenModel(model).make_kv_cache, in the "
                          f"model's floating dtype" + (" or dtype='fp8' (a latent cache of FP8 rows)" if latent else ""))
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(embeddings, "weight", next(model.parameters())).dtype  # (not an NVFP4 layer's packed codes)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None  # (NVFP4 layers
+    weight = (embeddings.weight if hasattr(embeddings, "weight") else next(model.parameters())).dtype  # hold codes)
     if not fp8 and kv_cache.dtype != weight and not torch.is_autocast_enabled(kv_cache.device.type):
         raise ValueError(f"kv_cache has dtype {kv_cache.dtype} and the model {weight}: make it with "
                          f"TokenModel(model).make_kv_cache, which takes the model's, or run under torch.autocast")

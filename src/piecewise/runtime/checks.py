@@ -211,7 +211,6 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
 
     if isinstance(error, (ForwardRefused, CaptureFailed, CaptureBlockedError)):
         return  # (a trace's error where the model's own forward takes the rows is the trace's: propagated below)
-    refuse_if_not_repeatable(core, arguments, error)
     tokens = arguments[core.arguments.given_tokens(arguments)[0]].shape[0]
     given = {t.untyped_storage().data_ptr() for value in arguments.values() for _, t in walk_tensors(value)
              if t is not None}  # a global that is the call's own argument (a notebook's `ids`) is not the cause
@@ -249,6 +248,7 @@ def refuse_if_rows_refused(core: Core, made: dict[str, Any], rows: int, size: in
                 break
         if refusal is None:
             return
+        refuse_if_not_repeatable(core, arguments, error)  # the call's own rows fail too: not the rows' doing
     raise ForwardRefused(
         f"piecewise: the forward refuses a call of {rows} rows made from the first call's {tokens} ({refusal}). "
         f"Every call runs padded, and the first call runs the forward on other row counts (here {rows}, padded to "

@@ -58,18 +58,18 @@ class Core:
         """The front-end in use, chosen at the first call."""
         self.last_arguments: dict[str, Any] | None = None
         self.timing = False
+        self._wrapped = False
+        """Whether ``model`` is a ``TokensFirst`` this runner made (a search's trial is given its parent's)."""
         """Set while ``compiler="auto"`` times this runner: its calls are rehearsals (``runtime/search.py``)."""
 
     def take(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """A user call's arguments, token dimensions first (``Arguments.take``); where the model takes a token
         argument in another layout, the runtime calls it through ``TokensFirst`` from then on."""
         arguments = self.arguments.take(args, kwargs)
-        wrapped = self.__dict__.get("_wrapped", False)  # a TokensFirst of its own (a search's trial is given one)
-        if self.arguments.first_signature is None and wrapped:
-            self.model, wrapped = self.model.model, False  # a first call again (the last one failed): layout anew
+        if self.arguments.first_signature is None and self._wrapped:
+            self.model, self._wrapped = self.model.model, False  # a first call again after a failed one: layout anew
         if self.arguments.moved and not isinstance(self.model, TokensFirst):
-            self.model, wrapped = TokensFirst(self.model, self.arguments.moved), True
-        self._wrapped = wrapped
+            self.model, self._wrapped = TokensFirst(self.model, self.arguments.moved), True
         return arguments
 
     def parts(self) -> Parts:
